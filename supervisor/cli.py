@@ -1,0 +1,159 @@
+"""Command line: ``elastic-supervisor run|check-config|status``.
+
+``run`` accepts torchrun's flags (dashes or underscores) with the same meaning. Usage
+and config errors print one line and exit 2; they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn
+
+from supervisor import __version__
+from supervisor.config import ConfigError, Settings, build, from_environ, load_file, to_toml_dict
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line and exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _flag(parser: argparse.ArgumentParser, name: str, *extra: str, **kw: Any) -> None:
+    """Add ``--a-b`` with torchrun's ``--a_b`` alias; absent flags stay absent."""
+    names = [f"--{name}"]
+    if "-" in name:
+        names.append(f"--{name.replace('-', '_')}")
+    parser.add_argument(*extra, *names, default=argparse.SUPPRESS, **kw)
+
+
+def _run_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="elastic-supervisor run",
+        allow_abbrev=False,  # a script's own flags must never be taken as abbreviations of ours
+        description="Run a worker group under supervision (torchrun-compatible flags).",
+    )
+    # torchrun's flags
+    _flag(p, "nnodes", help="N or MIN:MAX nodes (default 1:1)")
+    _flag(p, "nproc-per-node", help="workers per node: N, cpu or auto (default 1)")
+    _flag(p, "node-rank", type=int, help="this node's rank for the static backend")
+    _flag(p, "max-restarts", type=int, help="failure restarts before giving up (default 0)")
+    _flag(p, "rdzv-backend", help="static (default) or etcd")
+    _flag(p, "rdzv-endpoint", help="etcd host:port[,host:port...]")
+    _flag(p, "rdzv-id", help="job id shared by all nodes (default none)")
+    _flag(p, "rdzv-conf", help="backend options k=v,... (join_timeout, last_call_timeout, ...)")
+    _flag(p, "standalone", action="store_const", const=True, help="single node, random job id")
+    _flag(p, "master-addr", help="address of the rank-0 node (static backend)")
+    _flag(p, "master-port", type=int, help="port of the rank-0 worker's store")
+    _flag(p, "local-addr", help="this node's address as other nodes reach it")
+    _flag(p, "role", help="worker role name (default 'default')")
+    _flag(p, "start-method", help="spawn (default), forkserver or fork (Python API only)")
+    _flag(p, "monitor-interval", type=float, help="accepted, unused: exits are noticed at once")
+    _flag(p, "shutdown-timeout", type=float, help="grace before SIGKILL on every stop (30 s)")
+    _flag(p, "exit-barrier-timeout", type=float, help="wait for other nodes at the end (300 s)")
+    _flag(p, "log-dir", help="base directory for per-rank logs and error files")
+    _flag(p, "redirects", "-r", help="0-3 or per-rank map (1:3,0:1): redirect output to files")
+    _flag(p, "tee", "-t", help="0-3 or per-rank map: copy output to files and the console")
+    _flag(p, "local-ranks-filter", help="ranks whose console output is shown, e.g. 0,1")
+    _flag(p, "log-line-prefix-template", help="console prefix, e.g. '[${role_name}${rank}]:'")
+    _flag(p, "duplicate-stdout-filters", type=_csv, help="stdout lines to copy to a filter file")
+    _flag(p, "duplicate-stderr-filters", type=_csv, help="stderr lines to copy to a filter file")
+    _flag(p, "virtual-local-rank", action="store_const", const=True,
+          help="LOCAL_RANK=0 and one device per worker")
+    _flag(p, "numa-binding", help="node, socket, exclusive or core-complex")
+    _flag(p, "run-path", action="store_const", const=True, help="run the script with runpy")
+    _flag(p, "module", "-m", action="store_const", const=True,
+          help="run the script as 'python -m MODULE'")
+    _flag(p, "no-python", action="store_const", const=True,
+          help="run the script as an executable, not with Python")
+    # our own
+    _flag(p, "config", dest="config_file", help="TOML config file (flags override it)")
+    _flag(p, "health-host", help="health endpoint address (default 0.0.0.0)")
+    _flag(p, "health-port", type=int, help="health endpoint port (default 29480, 0 = any)")
+    _flag(p, "no-health", action="store_const", const=True, help="do not serve HTTP")
+    _flag(p, "progress-timeout", type=float, help="liveness fails after this much silence (60 s)")
+    _flag(p, "timer-file", help="deadline FIFO path (default: private runtime dir)")
+    _flag(p, "no-watchdog", action="store_const", const=True, help="no deadline FIFO")
+    _flag(p, "hang-dump", help="none, py-spy or signal:SIGUSR1 before killing a hung rank")
+    _flag(p, "hang-state-timeout", type=float, help="D state longer than this is fatal (60 s)")
+    _flag(p, "restart-backoff", help="BASE:MAX seconds of exponential backoff (default 0:0)")
+    _flag(p, "restart-budget-window", type=float, help="healthy seconds that refill the budget")
+    _flag(p, "no-restart-exit-codes", type=_int_csv, help="exit codes that end the job at once")
+    _flag(p, "restart-exit-codes", type=_int_csv, help="only these exit codes are retried")
+    _flag(p, "event-log", help="JSON-lines event log (default LOG_DIR/RUN_ID/events.jsonl)")
+    _flag(p, "log-level", help="debug, info, warning or error")
+    _flag(p, "log-format", help="auto, text or json")
+    p.add_argument("training_script", nargs="?", default=argparse.SUPPRESS,
+                   help="script (.py runs under this Python), module (-m) or command")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER, default=argparse.SUPPRESS)
+    return p
+
+
+def _csv(text: str) -> list[str]:
+    return [t for t in (s.strip() for s in text.split(",")) if t]
+
+
+def _int_csv(text: str) -> list[int]:
+    try:
+        return [int(t) for t in _csv(text)]
+    except ValueError:
+        message = f"expected comma-separated integers, got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
+def parse_run_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
+    """Turn ``run`` arguments plus the environment into validated Settings."""
+    ns = vars(_run_parser().parse_args(list(argv)))
+    file_layer: dict[str, Any] = {}
+    if "config_file" in ns:
+        file_layer = load_file(ns.pop("config_file"))
+    args = ns.get("training_script_args")
+    if args and args[0] == "--":
+        ns["training_script_args"] = args[1:]
+    return build(file_layer, from_environ(environ), ns)
+
+
+def _check_config(argv: Sequence[str]) -> int:
+    p = _Parser(prog="elastic-supervisor check-config")
+    p.add_argument("file")
+    ns = p.parse_args(list(argv))
+    settings = build(load_file(ns.file), from_environ(os.environ))
+    print(json.dumps(to_toml_dict(settings), indent=2, sort_keys=True))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``elastic-supervisor`` command and ``python -m supervisor``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    top = _Parser(prog="elastic-supervisor", description="Supervise gang-scheduled workers.")
+    top.add_argument("--version", action="version", version=f"elastic-supervisor {__version__}")
+    top.add_argument("command", choices=["run", "check-config", "status"])
+    if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help", "--version")):
+        args = ["run", *args]  # torchrun style: flags straight away mean "run"
+    ns, rest = top.parse_known_args(args[:1])
+    rest = args[1:]
+    try:
+        if ns.command == "check-config":
+            return _check_config(rest)
+        if ns.command == "status":
+            from supervisor.statuscmd import main_status
+
+            return main_status(rest)
+        settings = parse_run_args(rest, os.environ)
+    except ConfigError as exc:
+        print(f"elastic-supervisor: config error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    from supervisor.app import run_supervisor
+
+    return run_supervisor(settings)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Typed configuration, parsed and validated once at the edge.
+
+Sources, lowest to highest precedence: built-in defaults < TOML file (``--config``) <
+environment (``PET_<KEY>`` like torchrun, plus a few ``TORCHELASTIC_*`` knobs) < CLI flags.
+Keys are the snake_case of the long CLI flags. Everything below this module receives a
+``Settings`` value and never reads ``os.environ`` itself.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+
+class ConfigError(Exception):
+    """A bad setting: the message is one line naming the key and what is wrong."""
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Every setting of ``elastic-supervisor run``; see docs/configuration.md."""
+
+    # what to run
+    training_script: str = ""
+    training_script_args: list[str] = msgspec.field(default_factory=list)
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    # the worker group
+    nnodes: str = "1:1"
+    nproc_per_node: str = "1"
+    node_rank: int = 0
+    role: str = "default"
+    max_restarts: int = 0
+    start_method: Literal["spawn", "forkserver", "fork"] = "spawn"
+    virtual_local_rank: bool = False
+    numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = None
+    # rendezvous
+    rdzv_backend: Literal["static", "etcd"] = "static"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    rdzv_conf: str = ""
+    standalone: bool = False
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    local_addr: str | None = None
+    # stopping and restarting
+    monitor_interval: float = 0.1  # accepted for torchrun compatibility; detection is event-driven
+    shutdown_timeout: float = 30.0
+    exit_barrier_timeout: float = 300.0
+    restart_backoff: str = "0:0"
+    restart_budget_window: float | None = None
+    no_restart_exit_codes: list[int] = msgspec.field(default_factory=list)
+    restart_exit_codes: list[int] | None = None
+    # output
+    log_dir: str | None = None
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: str = ""
+    log_line_prefix_template: str | None = None
+    duplicate_stdout_filters: list[str] = msgspec.field(default_factory=list)
+    duplicate_stderr_filters: list[str] = msgspec.field(default_factory=list)
+    event_log: str | None = None
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["auto", "text", "json"] = "auto"
+    # health and watchdog
+    health_host: str = "0.0.0.0"
+    health_port: int = 29480
+    no_health: bool = False
+    progress_timeout: float = 60.0
+    timer_file: str | None = None
+    no_watchdog: bool = False
+    hang_dump: str = "none"
+    hang_state_timeout: float = 60.0
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def min_nodes(self) -> int:
+        return _nnodes(self.nnodes)[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return _nnodes(self.nnodes)[1]
+
+    @property
+    def local_world_size(self) -> int:
+        return _nproc(self.nproc_per_node)
+
+    @property
+    def backoff(self) -> tuple[float, float]:
+        return _backoff(self.restart_backoff)
+
+
+FIELDS: frozenset[str] = frozenset(Settings.__struct_fields__)
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
+               "0": False, "false": False, "no": False, "off": False, "": False}
+_LIST_FIELDS = {
+    "training_script_args", "no_restart_exit_codes", "restart_exit_codes",
+    "duplicate_stdout_filters", "duplicate_stderr_filters",
+}
+
+
+def _nnodes(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
+    if not m:
+        raise ConfigError(f"nnodes: expected N or MIN:MAX, got {text!r}")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) else lo
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"nnodes: need 1 <= MIN <= MAX, got {text!r}")
+    return lo, hi
+
+
+def _nproc(text: str) -> int:
+    if text in ("cpu", "auto"):
+        # no accelerator support here: torchrun's "auto" also falls back to the CPU count
+        return os.cpu_count() or 1
+    if text == "gpu":
+        raise ConfigError("nproc_per_node: 'gpu' needs CUDA devices, none visible")
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"nproc_per_node: expected a positive integer, cpu or auto, got {text!r}")
+    return int(text)
+
+
+def _backoff(text: str) -> tuple[float, float]:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*:\s*([0-9.]+)\s*", text)
+    try:
+        base, top = (float(m.group(1)), float(m.group(2))) if m else (-1.0, -1.0)
+    except ValueError:
+        base = top = -1.0
+    if base < 0 or top < base:
+        raise ConfigError(f"restart_backoff: expected BASE:MAX seconds, BASE <= MAX, got {text!r}")
+    return base, top
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML config file into raw settings; unknown keys are an error."""
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return {k.replace("-", "_"): v for k, v in raw.items()}
+
+
+def from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
+    """Settings given as ``PET_<KEY>`` (torchrun's convention) and TORCHELASTIC_* knobs."""
+    raw: dict[str, Any] = {}
+    for key in FIELDS:
+        value = environ.get(f"PET_{key.upper()}")
+        if value is not None:
+            raw[key] = value
+    aliases = {
+        "TORCHELASTIC_HEALTH_CHECK_PORT": "health_port",
+        "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "log_line_prefix_template",
+        "TORCHELASTIC_TIMER_FILE": "timer_file",
+        "TORCHELASTIC_UNINTERRUPTIBLE_STATE_TIMEOUT": "hang_state_timeout",
+    }
+    for env_key, key in aliases.items():
+        if env_key in environ and key not in raw:
+            raw[key] = environ[env_key]
+    if environ.get("TORCHELASTIC_ENABLE_FILE_TIMER", "").lower() in ("0", "false"):
+        raw.setdefault("no_watchdog", "1")
+    return raw
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Turn strings from the environment or flags into the field's shape."""
+    if not isinstance(value, str):
+        return value
+    field_type = Settings.__annotations__.get(key, "")
+    if field_type == "bool":
+        word = value.strip().lower()
+        if word not in _BOOL_WORDS:
+            raise ConfigError(f"{key}: expected a boolean, got {value!r}")
+        return _BOOL_WORDS[word]
+    if key in _LIST_FIELDS and key != "training_script_args":
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        return items
+    return value
+
+
+def build(*layers: Mapping[str, Any]) -> Settings:
+    """Merge raw layers (later wins) and validate into ``Settings``."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key not in FIELDS:
+                raise ConfigError(f"unknown setting {key!r}")
+            merged[key] = _coerce(key, value)
+    try:
+        settings = msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_validation_message(str(exc))) from None
+    validate(settings)
+    return settings
+
+
+def _validation_message(text: str) -> str:
+    m = re.search(r"^(.*?) - at `\$\.([A-Za-z_]+)(.*)`$", text)
+    if m:
+        return f"{m.group(2)}{m.group(3)}: {m.group(1).replace('`', '')}"
+    return text
+
+
+def validate(s: Settings) -> None:
+    """Range and cross-field checks msgspec's types cannot express."""
+    s.min_nodes, s.local_world_size, s.backoff  # noqa: B018  (each raises ConfigError if bad)
+    checks: list[tuple[bool, str]] = [
+        (s.max_restarts >= 0, f"max_restarts: must be >= 0, got {s.max_restarts}"),
+        (s.node_rank >= 0, f"node_rank: must be >= 0, got {s.node_rank}"),
+        (s.shutdown_timeout >= 0, f"shutdown_timeout: must be >= 0, got {s.shutdown_timeout}"),
+        (s.exit_barrier_timeout >= 0, "exit_barrier_timeout: must be >= 0"),
+        (s.progress_timeout > 0, f"progress_timeout: must be > 0, got {s.progress_timeout}"),
+        (s.hang_state_timeout > 0, "hang_state_timeout: must be > 0"),
+        (0 <= s.health_port <= 65535, f"health_port: must be 0..65535, got {s.health_port}"),
+        (s.master_port is None or 0 <= s.master_port <= 65535,
+         f"master_port: must be 0..65535, got {s.master_port}"),
+        (s.restart_budget_window is None or s.restart_budget_window > 0,
+         "restart_budget_window: must be > 0 seconds"),
+        (bool(s.training_script), "training_script: nothing to run (give a script or command)"),
+        (not (s.module and s.no_python), "module: --module and --no-python are mutually exclusive"),
+        (s.rdzv_backend != "etcd" or bool(s.rdzv_endpoint),
+         "rdzv_endpoint: the etcd backend needs --rdzv-endpoint host:port[,host:port]"),
+        (s.rdzv_backend != "static" or s.min_nodes == s.max_nodes,
+         f"nnodes: the static backend needs a fixed node count, got {s.nnodes!r}"),
+        (s.rdzv_backend != "static" or s.node_rank < s.max_nodes,
+         f"node_rank: {s.node_rank} is out of range for {s.max_nodes} node(s)"),
+        (re.fullmatch(r"none|py-spy|signal:SIG[A-Z0-9]+", s.hang_dump) is not None,
+         f"hang_dump: expected none, py-spy or signal:SIGNAME, got {s.hang_dump!r}"),
+    ]
+    for code in (*s.no_restart_exit_codes, *(s.restart_exit_codes or ())):
+        checks.append((0 <= code <= 255, f"no_restart_exit_codes: {code} is not an exit code"))
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def to_toml_dict(settings: Settings) -> dict[str, Any]:
+    """The resolved settings as plain data (for ``check-config``)."""
+    return {k: v for k, v in msgspec.to_builtins(settings).items() if v is not None}

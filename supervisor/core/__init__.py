@@ -1,0 +1,1 @@
+"""Pure logic: no anyio, aiohttp, psutil or other I/O imports allowed in this package."""

@@ -1,0 +1,84 @@
+"""Restart policy: budget, healing window, retryable exit codes and backoff.
+
+Pure code: the caller passes the clock reading and a uniform random draw, so a test can
+replay any sequence of failures and healthy periods and check every decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class RestartHistory:
+    """Failure restarts that still count against the budget, and when the group last started."""
+
+    restarts: tuple[float, ...] = ()
+    group_started_at: float | None = None
+
+    def started(self, now: float) -> RestartHistory:
+        return replace(self, group_started_at=now)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    restart: bool
+    delay: float
+    reason: str
+    budget_left: int
+    history: RestartHistory
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """What to do after a failure. Defaults match torchrun: no backoff, no healing."""
+
+    max_restarts: int = 0
+    backoff_base: float = 0.0
+    backoff_max: float = 0.0
+    budget_window: float | None = None
+    no_restart_exit_codes: frozenset[int] = field(default_factory=frozenset)
+    restart_exit_codes: frozenset[int] | None = None  # allow-list; None allows all
+
+    def healed(self, history: RestartHistory, now: float) -> RestartHistory:
+        """Forget restarts once the group has run healthy for the whole window."""
+        started = history.group_started_at
+        if self.budget_window is None or started is None:
+            return history
+        if now - started >= self.budget_window:
+            return RestartHistory((), started)
+        return history
+
+    def backoff(self, used: int, jitter: float) -> float:
+        """Exponential backoff with full jitter: uniform in [0, min(max, base * 2**used)]."""
+        if self.backoff_base <= 0:
+            return 0.0
+        ceiling = min(self.backoff_max, self.backoff_base * (2.0 ** min(used, 62)))
+        return max(0.0, min(1.0, jitter)) * ceiling
+
+    def decide(
+        self, history: RestartHistory, exit_code: int | None, now: float, jitter: float
+    ) -> Verdict:
+        """Restart or give up after a failure whose root cause exited with ``exit_code``."""
+        history = self.healed(history, now)
+        used = len(history.restarts)
+        left = max(0, self.max_restarts - used)
+        if exit_code is not None and exit_code in self.no_restart_exit_codes:
+            return Verdict(False, 0.0, f"exit code {exit_code} is not retryable", left, history)
+        if (
+            self.restart_exit_codes is not None
+            and exit_code is not None
+            and exit_code not in self.restart_exit_codes
+        ):
+            reason = f"exit code {exit_code} is not in the restart allow-list"
+            return Verdict(False, 0.0, reason, left, history)
+        if left <= 0:
+            reason = f"restart budget exhausted ({used}/{self.max_restarts} used)"
+            return Verdict(False, 0.0, reason, 0, history)
+        delay = self.backoff(used, jitter)
+        history = replace(history, restarts=(*history.restarts, now))
+        reason = f"restart {used + 1}/{self.max_restarts} after {delay:.3f} s"
+        return Verdict(True, delay, reason, left - 1, history)
+
+    def budget_left(self, history: RestartHistory, now: float) -> int:
+        return max(0, self.max_restarts - len(self.healed(history, now).restarts))

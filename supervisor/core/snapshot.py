@@ -1,0 +1,95 @@
+"""Immutable views the controller publishes for readers (HTTP, systemd notify, CLI).
+
+Readers never touch live state: after each transition the controller builds a new
+``Snapshot`` and swaps it in. Progress times are the one exception, kept in a
+``ProgressTable`` that only the watchdog writes (every accepted deadline request is
+progress) and readers only read, so a busy FIFO does not republish snapshots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    local_rank: int
+    global_rank: int
+    pid: int | None
+    state: str  # "running", "succeeded", "failed", "stopped"
+    started_at: float | None  # wall clock, epoch seconds
+    exit_code: int | None = None
+    signal: int | None = None
+    cpu_affinity: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class FailureView:
+    kind: str
+    attempt: int
+    local_rank: int | None
+    global_rank: int | None
+    pid: int | None
+    exit_code: int | None
+    signal: int | None
+    message: str
+    description: str
+    at_wall: float
+    error_file: str | None = None
+
+
+@dataclass(frozen=True)
+class RendezvousView:
+    backend: str
+    round: int = 0
+    members: tuple[str, ...] = ()
+    group_rank: int = 0
+    group_world_size: int = 1
+    last_duration: float | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the supervisor looks like right now, as of ``published_at`` (monotonic)."""
+
+    run_id: str
+    phase: str
+    attempt: int
+    restart_count: int
+    max_restarts: int
+    restarts_left: int
+    world_size: int
+    local_world_size: int
+    role: str
+    published_at: float
+    started_at_wall: float
+    workers: tuple[WorkerView, ...] = ()
+    last_failure: FailureView | None = None
+    rendezvous: RendezvousView = field(default_factory=lambda: RendezvousView("static"))
+    watchdog_enabled: bool = False
+    progress_timeout: float = 60.0
+    status_line: str = ""
+    exit_code: int | None = None
+
+
+class ProgressTable:
+    """Last progress time (monotonic) per local rank of the current attempt.
+
+    Written only by the watchdog tailer; read by the health verdict. ``reset`` is called
+    by the controller when a new attempt launches so stale ranks are not judged.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[int, float] = {}
+        self.attempt = 0
+
+    def reset(self, attempt: int) -> None:
+        self.attempt = attempt
+        self._last = {}
+
+    def touch(self, local_rank: int, now: float) -> None:
+        self._last[local_rank] = now
+
+    def view(self) -> Mapping[int, float]:
+        return dict(self._last)

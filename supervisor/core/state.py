@@ -1,0 +1,477 @@
+"""The supervisor's run loop as an explicit, pure state machine.
+
+``transition(state, event, policy)`` is the only place that decides what happens next.
+It returns the new state and one decision; the controller carries the decision out.
+Nothing here does I/O, reads a clock or touches a process: times and random draws
+arrive inside the events, so every edge is reproducible in a unit test.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass, field, replace
+
+from supervisor.core.policy import RestartHistory, RestartPolicy
+
+
+class Phase(enum.Enum):
+    """Where the supervisor is in its run loop."""
+
+    RENDEZVOUS = "rendezvous"
+    STARTING = "starting"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    BACKOFF = "backoff"
+    EXIT_BARRIER = "exit_barrier"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    @property
+    def final(self) -> bool:
+        return self in (Phase.SUCCEEDED, Phase.FAILED, Phase.STOPPED)
+
+
+class StopReason(enum.Enum):
+    """Why a group is being stopped; decides where STOPPING leads."""
+
+    FAILURE = "failure"  # a worker failed or hung: restart within the policy
+    MEMBERSHIP = "membership"  # nodes joined or left: next round, no budget used
+    SHUTDOWN = "shutdown"  # a signal asked us to stop: exit 128+N
+    FATAL = "fatal"  # the node is unhealthy (D state): stop, never restart
+    BARRIER = "barrier"  # another node failed while we waited at the exit barrier
+
+
+class FailureKind(enum.Enum):
+    EXITED = "exited"  # non-zero exit code
+    SIGNALED = "signaled"  # died by a signal
+    DEADLINE = "deadline"  # a watchdog deadline expired
+    UNHEALTHY = "unhealthy"  # uninterruptible sleep or similar
+    REMOTE = "remote"  # another node's failure (multi-node)
+    RENDEZVOUS = "rendezvous"  # rendezvous could not complete
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One observed failure; the first one of an attempt is its root cause."""
+
+    kind: FailureKind
+    attempt: int
+    at: float  # monotonic seconds when the supervisor observed it
+    local_rank: int | None = None
+    pid: int | None = None
+    exit_code: int | None = None
+    signal: int | None = None
+    message: str = ""
+
+    def describe(self) -> str:
+        """A one-line human description used in summaries and STATUS lines."""
+        where = f"local rank {self.local_rank}" if self.local_rank is not None else "node"
+        if self.kind is FailureKind.SIGNALED and self.signal is not None:
+            what = f"killed by {signal_name(self.signal)}"
+        elif self.kind is FailureKind.EXITED:
+            what = f"exited with code {self.exit_code}"
+        else:
+            what = self.kind.value
+        text = f"{where} (pid {self.pid}) {what}" if self.pid else f"{where} {what}"
+        return f"{text}: {self.message}" if self.message else text
+
+    @property
+    def process_exit_code(self) -> int:
+        """The code the supervisor exits with when this failure ends the job."""
+        if self.exit_code is not None and 1 <= self.exit_code <= 125:
+            return self.exit_code
+        return 1
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+# ----------------------------------------------------------------------------- events
+
+
+@dataclass(frozen=True)
+class RendezvousComplete:
+    round: int
+    world_size: int
+
+
+@dataclass(frozen=True)
+class RendezvousFailed:
+    message: str
+    at: float
+
+
+@dataclass(frozen=True)
+class GroupLaunched:
+    attempt: int
+    local_ranks: frozenset[int]
+    at: float
+
+
+@dataclass(frozen=True)
+class WorkerExited:
+    attempt: int
+    local_rank: int
+    pid: int
+    exit_code: int | None  # None when killed by a signal
+    signal: int | None
+    at: float
+    message: str = ""  # from the worker's error file, if it wrote one
+
+
+@dataclass(frozen=True)
+class DeadlineExpired:
+    attempt: int
+    local_rank: int
+    pid: int
+    scope: str
+    late: float  # seconds past the deadline when noticed
+    at: float
+
+
+@dataclass(frozen=True)
+class WorkerUnhealthy:
+    attempt: int
+    local_rank: int
+    pid: int
+    reason: str
+    at: float
+
+
+@dataclass(frozen=True)
+class RemoteFailure:
+    """Another node failed or restarted the job (multi-node)."""
+
+    message: str
+    at: float
+
+
+@dataclass(frozen=True)
+class MembershipChanged:
+    reason: str
+
+
+@dataclass(frozen=True)
+class ShutdownRequested:
+    signum: int
+
+
+@dataclass(frozen=True)
+class GroupStopped:
+    at: float
+    jitter: float = 1.0  # a uniform draw in [0, 1] for the backoff's full jitter
+
+
+@dataclass(frozen=True)
+class BackoffElapsed:
+    pass
+
+
+@dataclass(frozen=True)
+class BarrierDone:
+    ok: bool = True
+    message: str = ""
+
+
+Event = (
+    RendezvousComplete
+    | RendezvousFailed
+    | GroupLaunched
+    | WorkerExited
+    | DeadlineExpired
+    | WorkerUnhealthy
+    | RemoteFailure
+    | MembershipChanged
+    | ShutdownRequested
+    | GroupStopped
+    | BackoffElapsed
+    | BarrierDone
+)
+
+# -------------------------------------------------------------------------- decisions
+
+
+@dataclass(frozen=True)
+class Nothing:
+    """Record the event; nothing to carry out."""
+
+
+@dataclass(frozen=True)
+class StartRendezvous:
+    pass
+
+
+@dataclass(frozen=True)
+class LaunchGroup:
+    attempt: int
+    restart_count: int
+
+
+@dataclass(frozen=True)
+class StopGroup:
+    reason: StopReason
+    signum: int = signal.SIGTERM
+
+
+@dataclass(frozen=True)
+class KillGroupNow:
+    """Escalate an ongoing stop: SIGKILL everything at once."""
+
+
+@dataclass(frozen=True)
+class StartBackoff:
+    delay: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class EnterExitBarrier:
+    pass
+
+
+@dataclass(frozen=True)
+class Exit:
+    code: int
+    reason: str
+
+
+Decision = (
+    Nothing
+    | StartRendezvous
+    | LaunchGroup
+    | StopGroup
+    | KillGroupNow
+    | StartBackoff
+    | EnterExitBarrier
+    | Exit
+)
+
+
+# ------------------------------------------------------------------------------ state
+
+
+@dataclass(frozen=True)
+class State:
+    """Everything the run loop decides on. Immutable; ``transition`` makes the next."""
+
+    phase: Phase = Phase.RENDEZVOUS
+    attempt: int = 0  # incarnation number: +1 for every launch, membership rounds too
+    restart_count: int = 0  # failure restarts so far (TORCHELASTIC_RESTART_COUNT)
+    running: frozenset[int] = frozenset()  # local ranks still alive
+    stop_reason: StopReason | None = None
+    shutdown_signal: int | None = None
+    shutdown_requests: int = 0
+    root_cause: Failure | None = None  # first failure of the current attempt
+    last_failure: Failure | None = None  # kept across attempts for /status
+    history: RestartHistory = field(default_factory=RestartHistory)
+    exit_code: int | None = None
+    last_decision_reason: str = ""
+
+
+class InvalidTransition(Exception):
+    """An event arrived that the current phase has no edge for."""
+
+    def __init__(self, state: State, event: Event) -> None:
+        super().__init__(f"no transition from {state.phase.value} on {type(event).__name__}")
+        self.state = state
+        self.event = event
+
+
+def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State, Decision]:
+    """Decide the next state and what to do, for one event."""
+    if state.phase.final:
+        return state, Nothing()  # late events after the end are recorded only
+    if isinstance(event, ShutdownRequested):
+        return _on_shutdown(state, event)
+    match state.phase, event:
+        # RENDEZVOUS -> STARTING
+        case Phase.RENDEZVOUS, RendezvousComplete():
+            return replace(state, phase=Phase.STARTING), LaunchGroup(
+                state.attempt + 1, state.restart_count
+            )
+        # RENDEZVOUS -> FAILED
+        case Phase.RENDEZVOUS, RendezvousFailed():
+            failure = Failure(
+                FailureKind.RENDEZVOUS, state.attempt, event.at, message=event.message
+            )
+            return _finish(state, Phase.FAILED, 1, failure.describe(), failure)
+        # RENDEZVOUS: membership moved again while forming: the rendezvous task handles it
+        case Phase.RENDEZVOUS, MembershipChanged() | RemoteFailure():
+            return state, Nothing()
+        # STARTING -> RUNNING
+        case Phase.STARTING, GroupLaunched():
+            return (
+                replace(
+                    state,
+                    phase=Phase.RUNNING,
+                    attempt=event.attempt,
+                    running=event.local_ranks,
+                    root_cause=None,
+                    stop_reason=None,
+                    history=state.history.started(event.at),
+                ),
+                Nothing(),
+            )
+        case Phase.RUNNING, WorkerExited():
+            return _on_exit_running(state, event)
+        case Phase.RUNNING, DeadlineExpired():
+            msg = f"deadline '{event.scope}' expired {event.late:.3f} s ago"
+            failure = Failure(
+                FailureKind.DEADLINE, event.attempt, event.at, event.local_rank, event.pid,
+                message=msg,
+            )
+            return _stop_for(state, StopReason.FAILURE, failure)
+        case Phase.RUNNING | Phase.EXIT_BARRIER | Phase.STOPPING | Phase.BACKOFF, WorkerUnhealthy():
+            failure = Failure(
+                FailureKind.UNHEALTHY, event.attempt, event.at, event.local_rank, event.pid,
+                message=event.reason,
+            )
+            return _stop_for(state, StopReason.FATAL, failure)
+        case Phase.RUNNING, RemoteFailure():
+            failure = Failure(FailureKind.REMOTE, state.attempt, event.at, message=event.message)
+            return _stop_for(state, StopReason.MEMBERSHIP, failure)
+        case Phase.RUNNING, MembershipChanged():
+            return _stop_for(state, StopReason.MEMBERSHIP, None)
+        # while stopping, exits are expected and deadlines are moot
+        case Phase.STOPPING, WorkerExited():
+            return replace(state, running=state.running - {event.local_rank}), Nothing()
+        case Phase.STOPPING, DeadlineExpired() | MembershipChanged() | RemoteFailure():
+            return state, Nothing()
+        case Phase.STOPPING, GroupStopped():
+            return _on_group_stopped(state, event, policy)
+        # BACKOFF -> RENDEZVOUS
+        case Phase.BACKOFF, BackoffElapsed():
+            return replace(state, phase=Phase.RENDEZVOUS), StartRendezvous()
+        case Phase.BACKOFF, MembershipChanged() | RemoteFailure() | DeadlineExpired():
+            return state, Nothing()
+        # EXIT_BARRIER -> SUCCEEDED
+        case Phase.EXIT_BARRIER, BarrierDone():
+            reason = "all workers exited 0" + (f"; {event.message}" if event.message else "")
+            return _finish(state, Phase.SUCCEEDED, 0, reason, None)
+        case Phase.EXIT_BARRIER, MembershipChanged() | RemoteFailure() | DeadlineExpired():
+            return state, Nothing()
+    raise InvalidTransition(state, event)
+
+
+def _on_exit_running(state: State, event: WorkerExited) -> tuple[State, Decision]:
+    running = state.running - {event.local_rank}
+    if event.exit_code == 0:
+        state = replace(state, running=running)
+        if running:  # RUNNING: one rank done, others still working
+            return state, Nothing()
+        # RUNNING -> EXIT_BARRIER: the whole local group succeeded
+        return replace(state, phase=Phase.EXIT_BARRIER), EnterExitBarrier()
+    if event.signal is not None:
+        failure = Failure(
+            FailureKind.SIGNALED, event.attempt, event.at, event.local_rank, event.pid,
+            signal=event.signal, message=event.message,
+        )
+    else:
+        failure = Failure(
+            FailureKind.EXITED, event.attempt, event.at, event.local_rank, event.pid,
+            exit_code=event.exit_code, message=event.message,
+        )
+    return _stop_for(replace(state, running=running), StopReason.FAILURE, failure)
+
+
+def _stop_for(
+    state: State, reason: StopReason, failure: Failure | None
+) -> tuple[State, Decision]:
+    """RUNNING -> STOPPING(reason); also upgrades an ongoing stop to FATAL."""
+    if state.phase is Phase.STOPPING and reason is not StopReason.FATAL:
+        return state, Nothing()
+    root = state.root_cause if state.root_cause is not None else failure
+    state = replace(
+        state,
+        phase=Phase.STOPPING,
+        stop_reason=reason,
+        root_cause=root,
+        last_failure=root if root is not None else state.last_failure,
+    )
+    return state, StopGroup(reason)
+
+
+def _on_shutdown(state: State, event: ShutdownRequested) -> tuple[State, Decision]:
+    requests = state.shutdown_requests + 1
+    if state.phase is Phase.STOPPING and requests > 1:
+        # a second request while stopping: no more grace
+        return replace(state, shutdown_requests=requests, stop_reason=StopReason.SHUTDOWN), (
+            KillGroupNow()
+        )
+    new = replace(
+        state,
+        shutdown_requests=requests,
+        shutdown_signal=event.signum,
+        stop_reason=StopReason.SHUTDOWN,
+    )
+    if state.phase is Phase.STOPPING:
+        # already stopping (failure, membership): finish that stop, then exit
+        return new, Nothing()
+    return replace(new, phase=Phase.STOPPING), StopGroup(StopReason.SHUTDOWN, event.signum)
+
+
+def _on_group_stopped(
+    state: State, event: GroupStopped, policy: RestartPolicy
+) -> tuple[State, Decision]:
+    state = replace(state, running=frozenset())
+    match state.stop_reason:
+        case StopReason.SHUTDOWN:
+            # STOPPING(shutdown) -> STOPPED
+            signum = state.shutdown_signal or signal.SIGTERM
+            return _finish(state, Phase.STOPPED, 128 + signum, f"stopped by {signal_name(signum)}")
+        case StopReason.FATAL:
+            # STOPPING(fatal) -> FAILED, never restarted
+            root = state.root_cause
+            reason = "node unhealthy: " + (root.describe() if root else "unknown")
+            return _finish(state, Phase.FAILED, 1 if root is None else max(1, _code(root)), reason)
+        case StopReason.MEMBERSHIP:
+            # STOPPING(membership) -> RENDEZVOUS: no budget, no backoff
+            return replace(state, phase=Phase.RENDEZVOUS, stop_reason=None), StartRendezvous()
+        case StopReason.FAILURE:
+            return _restart_or_fail(state, event, policy)
+    raise InvalidTransition(state, event)
+
+
+def _code(failure: Failure) -> int:
+    return failure.process_exit_code
+
+
+def _restart_or_fail(
+    state: State, event: GroupStopped, policy: RestartPolicy
+) -> tuple[State, Decision]:
+    root = state.root_cause
+    verdict = policy.decide(state.history, root.exit_code if root else None, event.at, event.jitter)
+    if not verdict.restart:
+        # STOPPING(failure) -> FAILED
+        code = root.process_exit_code if root else 1
+        reason = f"{verdict.reason}; root cause: {root.describe() if root else 'unknown'}"
+        return _finish(state, Phase.FAILED, code, reason)
+    # STOPPING(failure) -> BACKOFF
+    state = replace(
+        state,
+        phase=Phase.BACKOFF,
+        restart_count=state.restart_count + 1,
+        history=verdict.history,
+        stop_reason=None,
+        last_decision_reason=verdict.reason,
+    )
+    return state, StartBackoff(verdict.delay, verdict.reason)
+
+
+def _finish(
+    state: State, phase: Phase, code: int, reason: str, failure: Failure | None = None
+) -> tuple[State, Decision]:
+    if failure is not None:
+        state = replace(state, root_cause=failure, last_failure=failure)
+    return (
+        replace(
+            state, phase=phase, exit_code=code, running=frozenset(), last_decision_reason=reason
+        ),
+        Exit(code, reason),
+    )

@@ -1,0 +1,1 @@
+"""Rendezvous backends: ``static`` (embedded default) and ``etcd`` (etcd v3)."""

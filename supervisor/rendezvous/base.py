@@ -1,0 +1,80 @@
+"""The rendezvous interface: how nodes agree on membership, ranks and the master address.
+
+A backend is created once per supervisor and used only by the controller and the
+scale-up poller task. ``static`` is the embedded default (no server); ``etcd`` uses etcd v3.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class RendezvousResult:
+    """One completed round: this node's place in the job."""
+
+    round: int
+    group_rank: int  # this node's rank among nodes (GROUP_RANK)
+    group_world_size: int  # number of nodes (GROUP_WORLD_SIZE)
+    rank_offset: int  # global RANK of this node's local rank 0
+    world_size: int  # total workers over all nodes (WORLD_SIZE)
+    master_addr: str
+    master_port: int
+    members: tuple[str, ...] = ()  # node ids in group-rank order
+    duration: float = 0.0  # seconds the round took to complete
+
+
+@dataclass(frozen=True)
+class BarrierResult:
+    ok: bool
+    message: str = ""
+
+
+class RendezvousError(Exception):
+    """The rendezvous cannot complete (timeout, closed job, unreachable service)."""
+
+
+class RendezvousClosed(RendezvousError):
+    """The job was closed (succeeded or failed for good on some node)."""
+
+
+class Rendezvous(Protocol):
+    """What the controller needs from a rendezvous backend."""
+
+    backend: str
+    run_id: str
+
+    async def next_round(self, local_world_size: int) -> RendezvousResult:
+        """Join the next round and wait until it completes; raise RendezvousError if it can't."""
+        ...
+
+    async def wait_membership_change(self, result: RendezvousResult) -> str:
+        """Return (with a reason) once the round ``result`` is outdated: a node is waiting
+        to join and capacity remains, a member was lost, or another node started a new
+        round (for example after its own failure). Never returns for a static job."""
+        ...
+
+    async def record_failure_restart(self, message: str) -> int:
+        """Count one failure restart job-wide; return the job-wide count so far."""
+        ...
+
+    async def restart_count(self) -> int:
+        """The job-wide failure restart count (0 for a single node)."""
+        ...
+
+    async def exit_barrier(self, result: RendezvousResult, timeout: float) -> BarrierResult:
+        """Wait (bounded) until every node of the round finished its workers."""
+        ...
+
+    async def fail_job(self, message: str) -> None:
+        """Tell every node the job failed for good (closes the rendezvous)."""
+        ...
+
+    async def leave(self) -> None:
+        """Leave gracefully (this node only); the job continues elsewhere."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections and leases."""
+        ...

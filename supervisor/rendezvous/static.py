@@ -1,0 +1,93 @@
+"""The embedded default backend: a fixed set of nodes, no server.
+
+On one node it picks a fresh free master port for every attempt, so a restarted group
+never reads the previous attempt's store. With several nodes (``--nnodes N --node-rank R
+--master-addr A``) there is nothing to publish a port through, so ``--master-port`` is
+used as given (default 29500, as torchrun).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import anyio
+
+from supervisor.rendezvous.base import BarrierResult, RendezvousResult
+
+DEFAULT_MASTER_PORT = 29500
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago on ``host`` (the worker binds it soon after)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class StaticRendezvous:
+    """A rendezvous that completes at once with a layout fixed by the flags."""
+
+    backend = "static"
+
+    def __init__(
+        self,
+        run_id: str,
+        nnodes: int,
+        node_rank: int,
+        master_addr: str,
+        master_port: int | None,
+    ) -> None:
+        self.run_id = run_id
+        self.nnodes = nnodes
+        self.node_rank = node_rank
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self._round = 0
+        self._restarts = 0
+
+    def _port(self) -> int:
+        if self.master_port:
+            return self.master_port
+        if self.nnodes == 1:
+            try:
+                return free_port(self.master_addr)
+            except OSError:
+                return free_port()
+        return DEFAULT_MASTER_PORT
+
+    async def next_round(self, local_world_size: int) -> RendezvousResult:
+        self._round += 1
+        return RendezvousResult(
+            round=self._round,
+            group_rank=self.node_rank,
+            group_world_size=self.nnodes,
+            rank_offset=self.node_rank * local_world_size,
+            world_size=self.nnodes * local_world_size,
+            master_addr=self.master_addr,
+            master_port=self._port(),
+            members=tuple(f"node{i}" for i in range(self.nnodes)),
+        )
+
+    async def wait_membership_change(self, result: RendezvousResult) -> str:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def record_failure_restart(self, message: str) -> int:
+        self._restarts += 1
+        return self._restarts
+
+    async def restart_count(self) -> int:
+        return self._restarts
+
+    async def exit_barrier(self, result: RendezvousResult, timeout: float) -> BarrierResult:
+        return BarrierResult(ok=True)
+
+    async def fail_job(self, message: str) -> None:
+        return None
+
+    async def leave(self) -> None:
+        return None
+
+    async def aclose(self) -> None:
+        return None

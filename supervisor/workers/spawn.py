@@ -1,0 +1,194 @@
+"""Spawning workers and noticing their exits the instant they happen.
+
+Each worker runs in its own session (so its process group id is its pid) under an exec
+wrapper that sets the kernel's parent-death signal: no ``preexec_fn``, which is unsafe in a
+process that holds gRPC or other fork-unsafe state. Exits are observed through a pidfd with
+``waitid(..., WNOWAIT)``: the worker stays a zombie until the group is stopped, so neither
+its pid nor its process group id can be recycled while we may still signal them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything needed to start one worker."""
+
+    local_rank: int
+    global_rank: int
+    argv: Sequence[str]
+    env: dict[str, str]
+    stdout: int | None = None  # file descriptor to use as stdout; None inherits ours
+    stderr: int | None = None
+    cwd: str | None = None
+    cpus: tuple[int, ...] | None = None  # CPU affinity (NUMA binding)
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    exit_code: int | None  # None when killed by a signal
+    signal: int | None
+    at: float  # monotonic time the exit was observed
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+
+@dataclass(eq=False)
+class Worker:
+    """A started worker. Only the monitor and the stopper touch it."""
+
+    spec: WorkerSpec
+    popen: subprocess.Popen[bytes]
+    pidfd: int
+    started_at: float  # monotonic
+    started_at_wall: float
+    status: ExitStatus | None = None
+    reaped: bool = False
+    exited: anyio.Event = field(default_factory=anyio.Event)  # set by the worker's monitor
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def local_rank(self) -> int:
+        return self.spec.local_rank
+
+    def poll_exit(self) -> ExitStatus | None:
+        """The exit status if the worker has exited, without reaping it."""
+        if self.status is not None:
+            return self.status
+        if self.reaped:
+            return self.status
+        try:
+            info = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+        except ChildProcessError:
+            return None
+        if info is None or info.si_pid == 0:
+            return None
+        now = time.monotonic()
+        if info.si_code == os.CLD_EXITED:
+            self.status = ExitStatus(info.si_status, None, now)
+        else:  # CLD_KILLED or CLD_DUMPED
+            self.status = ExitStatus(None, info.si_status, now)
+        return self.status
+
+    def signal_group(self, signum: int) -> bool:
+        """Signal the worker's whole process group. Safe while we hold it unreaped."""
+        if self.reaped:
+            return False
+        try:
+            os.killpg(self.pid, signum)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            logger.warning("not permitted to signal process group %d", self.pid)
+            return False
+        return True
+
+    def reap(self) -> None:
+        """Collect the zombie; after this the pid may be reused, so never signal it again."""
+        if self.reaped:
+            return
+        self.popen.wait()
+        self.reaped = True
+        os.close(self.pidfd)
+
+
+class DeathSignal:
+    """Builds the exec-wrapper prefix that makes the kernel kill a worker when we die."""
+
+    def __init__(self) -> None:
+        self.setpriv = shutil.which("setpriv")
+        self.taskset = shutil.which("taskset")
+
+    def prefix(self, cpus: tuple[int, ...] | None = None) -> list[str]:
+        head: list[str]
+        if self.setpriv:
+            head = [self.setpriv, "--pdeathsig", "KILL", "--"]
+        else:
+            head = [sys.executable, "-S", "-c", _PDEATHSIG_SHIM, str(os.getpid())]
+        if cpus and self.taskset:
+            head += [self.taskset, "--cpu-list", ",".join(map(str, cpus))]
+        return head
+
+
+# Fallback where util-linux's setpriv is missing: set PR_SET_PDEATHSIG (1) to SIGKILL, check
+# the parent did not already die, then exec the real command.
+_PDEATHSIG_SHIM = (
+    "import ctypes,os,sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)\n"
+    "os.getppid() == int(sys.argv[1]) or os._exit(137)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def spawn_worker(spec: WorkerSpec, death: DeathSignal) -> Worker:
+    """Start one worker in its own session. Raises OSError if it cannot be started."""
+    argv = [*death.prefix(spec.cpus), *spec.argv]
+    popen = subprocess.Popen(
+        argv,
+        env=spec.env,
+        stdin=subprocess.DEVNULL,
+        stdout=spec.stdout,
+        stderr=spec.stderr,
+        cwd=spec.cwd,
+        start_new_session=True,  # own session and process group: pgid == pid
+        close_fds=True,
+    )
+    try:
+        pidfd = os.pidfd_open(popen.pid)
+    except OSError:
+        popen.kill()
+        popen.wait()
+        raise
+    if spec.cpus and not death.taskset:
+        _set_affinity(popen.pid, spec.cpus)
+    return Worker(spec, popen, pidfd, time.monotonic(), time.time())
+
+
+def _set_affinity(pid: int, cpus: tuple[int, ...]) -> None:
+    try:
+        os.sched_setaffinity(pid, cpus)
+    except OSError as exc:
+        logger.warning("could not bind pid %d to CPUs %s: %s", pid, cpus, exc)
+
+
+async def wait_exit(worker: Worker) -> ExitStatus:
+    """Wait until the worker exits (pidfd readable); do not reap it."""
+    while True:
+        status = worker.poll_exit()
+        if status is not None:
+            return status
+        await anyio.wait_readable(worker.pidfd)
+
+
+def signal_workers(workers: Sequence[Worker], signum: int) -> None:
+    """Forward a signal (e.g. SIGUSR1 preemption notice) to each live worker's group."""
+    for worker in workers:
+        if worker.poll_exit() is None:
+            worker.signal_group(signum)
+
+
+def describe_signal(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)

@@ -1,0 +1,157 @@
+"""Shared test harness: run the real supervisor as a subprocess and wait on its output."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+from anyio.abc import Process
+
+TESTS = Path(__file__).parent
+FAKE_WORKER = str(TESTS / "workers" / "fake_worker.py")
+REPO = TESTS.parent
+
+
+class Stream:
+    """Lines read from one pipe, with a cursor so each expectation consumes what it saw."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.cursor = 0
+        self.closed = False
+        self.done = anyio.Event()
+        self._changed = anyio.Event()
+
+    def feed(self, line: str) -> None:
+        self.lines.append(line)
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def close(self) -> None:
+        self.closed = True
+        self._changed.set()
+        self.done.set()
+
+    async def expect(self, pattern: str, timeout: float = 15.0) -> re.Match[str]:
+        regex = re.compile(pattern)
+        with anyio.fail_after(timeout):
+            while True:
+                while self.cursor < len(self.lines):
+                    line = self.lines[self.cursor]
+                    self.cursor += 1
+                    m = regex.search(line)
+                    if m:
+                        return m
+                if self.closed:
+                    raise AssertionError(f"stream closed before {pattern!r}:\n" + self.text())
+                await self._changed.wait()
+
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+
+class Supervised:
+    """A running supervisor process with its stdout (workers) and stderr (its log)."""
+
+    def __init__(self, process: Process) -> None:
+        self.process = process
+        self.out = Stream()
+        self.err = Stream()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def signal(self, signum: int) -> None:
+        self.process.send_signal(signum)
+
+    async def wait(self, timeout: float = 30.0) -> int:
+        with anyio.fail_after(timeout):
+            code = await self.process.wait()
+            await self.out.done.wait()  # the readers have drained the last lines
+            await self.err.done.wait()
+            return code
+
+
+async def _pump(stream: anyio.abc.ByteReceiveStream, sink: Stream) -> None:
+    buf = b""
+    try:
+        async for chunk in stream:
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                sink.feed(line.decode(errors="replace"))
+    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+        pass
+    if buf:
+        sink.feed(buf.decode(errors="replace"))
+    sink.close()
+
+
+@asynccontextmanager
+async def supervisor(
+    args: Sequence[str], env: dict[str, str] | None = None, cwd: str | Path | None = None
+) -> AsyncIterator[Supervised]:
+    """Start ``python -m supervisor run ARGS``; kill it (and wait) on the way out."""
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("NOTIFY_SOCKET", None)
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    cmd = [sys.executable, "-m", "supervisor", "run", *args]
+    process = await anyio.open_process(cmd, env=full_env, cwd=cwd)
+    sup = Supervised(process)
+    async with anyio.create_task_group() as tg:
+        assert process.stdout is not None and process.stderr is not None
+        tg.start_soon(_pump, process.stdout, sup.out)
+        tg.start_soon(_pump, process.stderr, sup.err)
+        try:
+            yield sup
+        except BaseException:
+            # shown by pytest with the failure: what the supervisor and workers said
+            print("--- supervisor stderr ---\n" + sup.err.text())
+            print("--- workers' stdout ---\n" + sup.out.text())
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                if process.returncode is None:
+                    process.send_signal(signal.SIGKILL)
+                await process.wait()
+                with anyio.move_on_after(5):
+                    await sup.out.done.wait()
+                    await sup.err.done.wait()
+                tg.cancel_scope.cancel()
+
+
+def pid_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def wait_dead(pids: Sequence[int], timeout: float) -> None:
+    """Wait until every pid is gone; pidfds make this event-driven where possible."""
+    with anyio.fail_after(timeout):
+        for pid in pids:
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            try:
+                if pid_alive(pid):
+                    await anyio.wait_readable(fd)  # a pidfd is readable once the process exits
+            finally:
+                os.close(fd)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"

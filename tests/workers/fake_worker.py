@@ -1,0 +1,79 @@
+"""A fake worker: a real interpreter whose behaviour the test chooses by flags.
+
+It prints ``ready <rank> <pid>`` once set up, so tests synchronise on that line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def say(text: str) -> None:
+    """One write per line, so lines of workers sharing a console never interleave."""
+    os.write(1, (text + "\n").encode())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--exit", type=int, default=None, help="exit with this code after ready")
+    p.add_argument("--fail-rank", type=int, default=None, help="only this rank fails")
+    p.add_argument("--fail-attempts", type=int, default=None,
+                   help="fail only while TORCHELASTIC_RESTART_COUNT < N")
+    p.add_argument("--hang", action="store_true", help="sleep forever after ready")
+    p.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM")
+    p.add_argument("--grandchild", default=None, help="spawn a sleeping grandchild; pid to file")
+    p.add_argument("--dump-env", default=None, help="write env JSON to DIR/<rank>.json")
+    p.add_argument("--trap", default=None, help="on SIGUSR1/2 print 'got SIGNAME'")
+    p.add_argument("--error-message", default=None, help="write a torch-style error file")
+    p.add_argument("--lines", type=int, default=0, help="print N numbered lines first")
+    args, _rest = p.parse_known_args()
+    rank = int(os.environ.get("RANK", "0"))
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if args.ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.trap:
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, lambda n, _f: say(f"got {signal.Signals(n).name} {rank}"))
+    if args.dump_env:
+        path = os.path.join(args.dump_env, f"{rank}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(dict(os.environ), f)
+        os.replace(path + ".tmp", path)
+    if args.grandchild:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        with open(f"{args.grandchild}.{rank}", "w") as f:
+            f.write(str(child.pid))
+    for i in range(args.lines):
+        say(f"line {rank} {i}")
+    say(f"ready {rank} {os.getpid()} {restart}")
+    failing = args.fail_rank is None or args.fail_rank == rank
+    if args.fail_attempts is not None and restart >= args.fail_attempts:
+        failing = False
+    if args.exit is not None and failing:
+        if args.error_message:
+            write_error_file(args.error_message)
+        sys.exit(args.exit)
+    if args.hang or args.ignore_term or args.trap or args.grandchild:
+        while True:
+            time.sleep(3600)
+
+
+def write_error_file(message: str) -> None:
+    """The format torch's @record writes (ProcessFailure's error file)."""
+    path = os.environ["TORCHELASTIC_ERROR_FILE"]
+    data = {"message": {"message": f"RuntimeError: {message}",
+                        "extraInfo": {"py_callstack": "Traceback (most recent call last):\n"
+                                      f"RuntimeError: {message}\n",
+                                      "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(data, f)
+
+
+if __name__ == "__main__":
+    main()
