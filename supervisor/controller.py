@@ -220,6 +220,9 @@ class Controller:
                 "state", old=old.phase.value, new=new.phase.value, cause=type(event).__name__,
                 reason=(new.stop_reason.value if new.stop_reason else None),
             )
+        if new.phase is sm.Phase.FAILED and old.stop_reason is sm.StopReason.FAILURE:
+            self.events.emit("restart_refused", reason=new.last_decision_reason,
+                             restart_count=new.restart_count)
         for observer in self.observers:
             observer.on_transition(old, new, event, decision)
         self._publish()
@@ -304,6 +307,7 @@ class Controller:
     def _backoff(self, decision: sm.StartBackoff) -> None:
         self.events.emit(
             "restart_scheduled", delay=round(decision.delay, 6), reason=decision.reason,
+            ceiling=decision.ceiling,
             restart_count=self.state.restart_count,
             budget_left=self.policy.budget_left(self.state.history, time.monotonic()),
         )

@@ -24,7 +24,7 @@ class RestartHistory:
 class Verdict:
     restart: bool
     delay: float
-    reason: str
+    reason: str  # why, for the failure summary, event log and metrics
     budget_left: int
     history: RestartHistory
 
@@ -49,12 +49,15 @@ class RestartPolicy:
             return RestartHistory((), started)
         return history
 
-    def backoff(self, used: int, jitter: float) -> float:
-        """Exponential backoff with full jitter: uniform in [0, min(max, base * 2**used)]."""
+    def ceiling(self, used: int) -> float:
+        """The largest backoff after ``used`` counted restarts: min(max, base * 2**used)."""
         if self.backoff_base <= 0:
             return 0.0
-        ceiling = min(self.backoff_max, self.backoff_base * (2.0 ** min(used, 62)))
-        return max(0.0, min(1.0, jitter)) * ceiling
+        return min(self.backoff_max, self.backoff_base * (2.0 ** min(used, 62)))
+
+    def backoff(self, used: int, jitter: float) -> float:
+        """Exponential backoff with full jitter: uniform in [0, ceiling(used)]."""
+        return max(0.0, min(1.0, jitter)) * self.ceiling(used)
 
     def decide(
         self, history: RestartHistory, exit_code: int | None, now: float, jitter: float

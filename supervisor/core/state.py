@@ -228,6 +228,7 @@ class KillGroupNow:
 class StartBackoff:
     delay: float
     reason: str
+    ceiling: float = 0.0  # the backoff's upper bound for this restart (before jitter)
 
 
 @dataclass(frozen=True)
@@ -461,7 +462,8 @@ def _restart_or_fail(
         stop_reason=None,
         last_decision_reason=verdict.reason,
     )
-    return state, StartBackoff(verdict.delay, verdict.reason)
+    ceiling = policy.ceiling(len(verdict.history.restarts) - 1)
+    return state, StartBackoff(verdict.delay, verdict.reason, ceiling)
 
 
 def _finish(
