@@ -21,7 +21,15 @@ import anyio
 from anyio.abc import TaskStatus
 
 from supervisor.config import ConfigError, Settings
-from supervisor.controller import Controller, ForwardSignal, Outbox, ReopenLogs, SnapshotHub
+from supervisor.controller import (
+    CommandFor,
+    Controller,
+    CpusFor,
+    ForwardSignal,
+    Outbox,
+    ReopenLogs,
+    SnapshotHub,
+)
 from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads
 from supervisor.core.snapshot import Snapshot
@@ -80,9 +88,23 @@ def check_runnable(settings: Settings, environ: Mapping[str, str]) -> None:
         raise ConfigError(f"training_script: no such file: {settings.training_script!r}")
 
 
-async def supervise(settings: Settings, environ: dict[str, str]) -> int:
-    """Compose and run every task; returns the exit code."""
-    check_runnable(settings, environ)
+async def supervise(
+    settings: Settings,
+    environ: dict[str, str],
+    *,
+    command: CommandFor | None = None,
+    cpus: CpusFor | None = None,
+    embedded: bool = False,
+) -> int:
+    """Compose and run every task; returns the exit code.
+
+    ``embedded`` is the Python API's mode: the supervisor runs inside someone else's
+    process, so it installs no signal handlers and does not become a child subreaper
+    (the host's other children are not ours to sweep). ``command`` and ``cpus`` override
+    how each rank's command line and CPU binding are made.
+    """
+    if command is None:
+        check_runnable(settings, environ)
     try:
         output = OutputPlan(settings.redirects, settings.tee, settings.local_world_size)
     except OutputSpecError as exc:
@@ -91,13 +113,15 @@ async def supervise(settings: Settings, environ: dict[str, str]) -> int:
     log_root = _log_root(settings)
     events = EventLog(settings.event_log or log_root / run_id / "events.jsonl", run_id)
     rendezvous = make_rendezvous(settings, run_id)
-    set_child_subreaper()
+    if not embedded:
+        set_child_subreaper()
     guardian = Guardian()
     hub = SnapshotHub(_initial_snapshot(settings, run_id))
     controller = Controller(
         settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
         output=output, environ=default_omp_threads(environ, settings.local_world_size),
         timer_file=None, guardian=guardian, exempt_pids=[guardian.pid],
+        sweep_adopted=not embedded, command=command, cpus=cpus,
     )
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
                 local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
@@ -107,7 +131,8 @@ async def supervise(settings: Settings, environ: dict[str, str]) -> int:
     )
     try:
         async with anyio.create_task_group() as tg:
-            await tg.start(deliver_signals, send)
+            if not embedded:
+                await tg.start(deliver_signals, send)
             code = await controller.run(receive, send)
             tg.cancel_scope.cancel()
     finally:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -67,6 +68,10 @@ class ReopenLogs:
 
 
 Command = ForwardSignal | ReopenLogs
+# (local_rank, global_rank, rank_dir) -> argv of that rank's worker
+CommandFor = Callable[[int, int, Path], list[str]]
+# local_rank -> CPUs to bind the worker to, or None
+CpusFor = Callable[[int], tuple[int, ...] | None]
 Inbox = MemoryObjectReceiveStream[sm.Event | Command]
 Outbox = MemoryObjectSendStream[sm.Event | Command]
 
@@ -139,6 +144,8 @@ class Controller:
         sweep_adopted: bool = True,
         exempt_pids: Iterable[int] = (),
         observers: Sequence[Observer] = (),
+        command: CommandFor | None = None,
+        cpus: CpusFor | None = None,
     ) -> None:
         self.settings = settings
         self.rendezvous = rendezvous
@@ -153,6 +160,8 @@ class Controller:
         self.sweep_adopted = sweep_adopted
         self.exempt_pids = set(exempt_pids)
         self.observers = list(observers)
+        self.command = command or settings_command(settings, self.environ)
+        self.cpus = cpus or (lambda local_rank: None)
         base, top = settings.backoff
         self.policy = RestartPolicy(
             max_restarts=settings.max_restarts,
@@ -368,7 +377,6 @@ class Controller:
         self._launched_once.set()
 
     def _spawn(self, attempt: Attempt, local_rank: int) -> Worker:
-        s = self.settings
         rank_dir = attempt.directory / str(local_rank)
         rank_dir.mkdir(parents=True, exist_ok=True)
         error_file = attempt.error_file(local_rank)
@@ -376,13 +384,12 @@ class Controller:
             self.environ, attempt.layout, local_rank,
             error_file=str(error_file), timer_file=self.timer_file,
         )
-        argv = worker_argv(
-            self.environ.get("PYTHON_EXEC", _python()), s.training_script, s.training_script_args,
-            local_rank, module=s.module, no_python=s.no_python, run_path=s.run_path,
-        )
         global_rank = attempt.layout.rank_offset + local_rank
+        argv = self.command(local_rank, global_rank, rank_dir)
         stdout, stderr = self.output.open_rank(attempt.dir_index, rank_dir, local_rank, global_rank)
-        spec = WorkerSpec(local_rank, global_rank, argv, env, stdout, stderr)
+        spec = WorkerSpec(
+            local_rank, global_rank, argv, env, stdout, stderr, cpus=self.cpus(local_rank)
+        )
         try:
             worker = spawn_worker(spec, self.death)
         finally:
@@ -625,7 +632,14 @@ def _signame(signum: int | None) -> str:
     return sm.signal_name(signum) if signum else ""
 
 
-def _python() -> str:
-    import sys
+def settings_command(settings: Settings, environ: Mapping[str, str]) -> CommandFor:
+    """The command of each rank as torchrun builds it from the flags."""
+    python = environ.get("PYTHON_EXEC", sys.executable)
 
-    return sys.executable
+    def command(local_rank: int, global_rank: int, rank_dir: Path) -> list[str]:
+        return worker_argv(
+            python, settings.training_script, settings.training_script_args, local_rank,
+            module=settings.module, no_python=settings.no_python, run_path=settings.run_path,
+        )
+
+    return command
