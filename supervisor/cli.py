@@ -68,6 +68,10 @@ def _run_parser() -> argparse.ArgumentParser:
     _flag(p, "virtual-local-rank", action="store_const", const=True,
           help="LOCAL_RANK=0 and one device per worker")
     _flag(p, "numa-binding", help="node, socket, exclusive or core-complex")
+    _flag(p, "event-log-handler", help="accepted for torchrun compatibility; see --event-log")
+    _flag(p, "logs-specs", help="not supported (torchrun LogsSpecs plugins)")
+    _flag(p, "signals-to-handle",
+          help="accepted; TERM/INT/QUIT stop, HUP reopens logs, USR1/USR2 are forwarded")
     _flag(p, "run-path", action="store_const", const=True, help="run the script with runpy")
     _flag(p, "module", "-m", action="store_const", const=True,
           help="run the script as 'python -m MODULE'")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -66,6 +67,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     duplicate_stdout_filters: list[str] = msgspec.field(default_factory=list)
     duplicate_stderr_filters: list[str] = msgspec.field(default_factory=list)
     event_log: str | None = None
+    event_log_handler: str = "null"  # torchrun's; our events always go to the JSONL log
+    logs_specs: str | None = None  # torchrun's LogsSpecs plugin: not supported
+    signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # accepted and validated
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "text", "json"] = "auto"
     # health and watchdog
@@ -238,6 +242,11 @@ def validate(s: Settings) -> None:
         (re.fullmatch(r"none|py-spy|signal:SIG[A-Z0-9]+", s.hang_dump) is not None,
          f"hang_dump: expected none, py-spy or signal:SIGNAME, got {s.hang_dump!r}"),
     ]
+    checks.append((s.logs_specs is None,
+                   "logs_specs: LogsSpecs plugins are not supported; use log_dir, redirects, tee"))
+    for name in filter(None, (n.strip() for n in s.signals_to_handle.split(","))):
+        known = name in signal.Signals.__members__
+        checks.append((known, f"signals_to_handle: unknown signal {name!r}"))
     for code in (*s.no_restart_exit_codes, *(s.restart_exit_codes or ())):
         checks.append((0 <= code <= 255, f"no_restart_exit_codes: {code} is not an exit code"))
     for ok, message in checks:
