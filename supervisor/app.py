@@ -7,6 +7,7 @@ launches the first group; systemd hears READY=1 only after that.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import shutil
@@ -22,6 +23,7 @@ from anyio.abc import TaskStatus
 
 from supervisor.config import ConfigError, Settings
 from supervisor.controller import (
+    Attempt,
     CommandFor,
     Controller,
     CpusFor,
@@ -32,10 +34,21 @@ from supervisor.controller import (
 )
 from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads
-from supervisor.core.snapshot import Snapshot
+from supervisor.core.snapshot import ProgressTable, Snapshot
 from supervisor.events import EventLog
+from supervisor.health.looplag import LoopLag
+from supervisor.health.metrics import Metrics
+from supervisor.health.server import serve_health
+from supervisor.logsetup import configure_logging
 from supervisor.rendezvous.base import Rendezvous
 from supervisor.rendezvous.static import StaticRendezvous
+from supervisor.systemd import (
+    NOTIFY_ENV_VARS,
+    Notifier,
+    StatusReporter,
+    extending_timeout,
+    run_watchdog_pings,
+)
 from supervisor.workers.guardian import Guardian, set_child_subreaper
 from supervisor.workers.output import OutputPlan, OutputSpecError
 
@@ -48,20 +61,13 @@ FORWARD_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None) -> int:
     """Run the daemon until the job ends; return the process exit code."""
     env = dict(os.environ if environ is None else environ)
-    _configure_logging(settings)
+    configure_logging(settings.log_level, settings.log_format)
+    faulthandler.enable()  # a watchdog SIGABRT then leaves every thread's stack in the log
     try:
         return anyio.run(supervise, settings, env)
     except ConfigError as exc:
         print(f"elastic-supervisor: config error: {exc}", file=sys.stderr)
         return 2
-
-
-def _configure_logging(settings: Settings) -> None:
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s elastic-supervisor[%(process)d] %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
 
 
 def resolve_run_id(settings: Settings) -> str:
@@ -99,9 +105,9 @@ async def supervise(
     """Compose and run every task; returns the exit code.
 
     ``embedded`` is the Python API's mode: the supervisor runs inside someone else's
-    process, so it installs no signal handlers and does not become a child subreaper
-    (the host's other children are not ours to sweep). ``command`` and ``cpus`` override
-    how each rank's command line and CPU binding are made.
+    process, so it installs no signal handlers, does not become a child subreaper (the
+    host's other children are not ours to sweep) and does not talk to systemd.
+    ``command`` and ``cpus`` override how each rank's command line and CPU binding are made.
     """
     if command is None:
         check_runnable(settings, environ)
@@ -113,15 +119,22 @@ async def supervise(
     log_root = _log_root(settings)
     events = EventLog(settings.event_log or log_root / run_id / "events.jsonl", run_id)
     rendezvous = make_rendezvous(settings, run_id)
+    notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
+    reporter = StatusReporter(notifier)
+    metrics = Metrics()
+    lag = LoopLag()
+    progress = ProgressTable()
     if not embedded:
         set_child_subreaper()
     guardian = Guardian()
     hub = SnapshotHub(_initial_snapshot(settings, run_id))
     controller = Controller(
         settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
-        output=output, environ=default_omp_threads(environ, settings.local_world_size),
+        output=output, environ=worker_base_env(environ, settings.local_world_size),
         timer_file=None, guardian=guardian, exempt_pids=[guardian.pid],
-        sweep_adopted=not embedded, command=command, cpus=cpus,
+        sweep_adopted=not embedded, command=command, cpus=cpus, progress=progress,
+        observers=[metrics, _StopNotice(reporter)],
+        stop_guard=lambda: extending_timeout(notifier),
     )
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
                 local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
@@ -133,14 +146,61 @@ async def supervise(
         async with anyio.create_task_group() as tg:
             if not embedded:
                 await tg.start(deliver_signals, send)
+            await tg.start(run_watchdog_pings, notifier)
+            await tg.start(lag.run)
+            if not settings.no_health:
+                host, port = await tg.start(
+                    serve_health, settings.health_host, settings.health_port,
+                    lambda: hub.current, progress, metrics, lag.current,
+                )
+                logger.info("health endpoint on http://%s:%d", host, port)
+                events.emit("health_listening", host=host, port=port)
+            tg.start_soon(publish_status, hub, reporter)
             code = await controller.run(receive, send)
+            reporter.publish(hub.current)
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
             await rendezvous.aclose()
         guardian.close()
         events.close()
+        notifier.close()
     return code
+
+
+def worker_base_env(environ: Mapping[str, str], local_world_size: int) -> dict[str, str]:
+    """The environment workers start from: ours, minus systemd's notify variables (a worker
+    must never be able to ping our watchdog or send READY=1 for us)."""
+    env = {k: v for k, v in environ.items() if k not in NOTIFY_ENV_VARS}
+    return default_omp_threads(env, local_world_size)
+
+
+async def publish_status(hub: SnapshotHub, reporter: StatusReporter) -> None:
+    """Tell systemd each new state (STATUS=, READY=1 after the first launch)."""
+    seen = -1
+    while True:
+        reporter.publish(hub.current)
+        seen = hub.version
+        await hub.wait_changed(seen)
+
+
+class _StopNotice:
+    """Sends STOPPING=1 the moment a shutdown stop begins (before workers get SIGTERM)."""
+
+    def __init__(self, reporter: StatusReporter) -> None:
+        self.reporter = reporter
+
+    def on_transition(
+        self, old: sm.State, new: sm.State, event: sm.Event, decision: sm.Decision
+    ) -> None:
+        if isinstance(decision, sm.StopGroup) and decision.reason is sm.StopReason.SHUTDOWN:
+            self.reporter.stopping(f"stopping: {sm.signal_name(decision.signum)} received")
+
+    def on_launch(self, attempt: Attempt) -> None:
+        return None
+
+    def on_stopped(self, attempt: Attempt) -> None:
+        return None
 
 
 async def deliver_signals(outbox: Outbox, *, task_status: TaskStatus[None]) -> None:

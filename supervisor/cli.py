@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     top = _Parser(prog="elastic-supervisor", description="Supervise gang-scheduled workers.")
     top.add_argument("--version", action="version", version=f"elastic-supervisor {__version__}")
-    top.add_argument("command", choices=["run", "check-config"])
+    top.add_argument("command", choices=["run", "check-config", "status"])
     if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help", "--version")):
         args = ["run", *args]  # torchrun style: flags straight away mean "run"
     ns, rest = top.parse_known_args(args[:1])
@@ -146,6 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if ns.command == "check-config":
             return _check_config(rest)
+        if ns.command == "status":
+            from supervisor.statuscmd import main_status
+
+            return main_status(rest)
         settings = parse_run_args(rest, os.environ)
     except ConfigError as exc:
         print(f"elastic-supervisor: config error: {exc}", file=sys.stderr)

@@ -179,6 +179,8 @@ def from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def _coerce(key: str, value: Any) -> Any:
     """Turn strings from the environment or flags into the field's shape."""
+    if key in ("nnodes", "nproc_per_node") and isinstance(value, int) and value > 0:
+        return str(value)  # `nnodes = 2` in TOML means "2"
     if not isinstance(value, str):
         return value
     field_type = Settings.__annotations__.get(key, "")

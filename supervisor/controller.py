@@ -15,6 +15,7 @@ import random
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
@@ -30,6 +31,7 @@ from supervisor.core.envs import GroupLayout, worker_argv, worker_env
 from supervisor.core.policy import RestartPolicy
 from supervisor.core.snapshot import (
     FailureView,
+    ProgressTable,
     RendezvousView,
     Snapshot,
     WorkerView,
@@ -72,6 +74,8 @@ Command = ForwardSignal | ReopenLogs
 CommandFor = Callable[[int, int, Path], list[str]]
 # local_rank -> CPUs to bind the worker to, or None
 CpusFor = Callable[[int], tuple[int, ...] | None]
+# wraps a shutdown stop (e.g. asks systemd for more time while the grace runs)
+StopGuard = Callable[[], AbstractAsyncContextManager[None]]
 Inbox = MemoryObjectReceiveStream[sm.Event | Command]
 Outbox = MemoryObjectSendStream[sm.Event | Command]
 
@@ -146,6 +150,8 @@ class Controller:
         observers: Sequence[Observer] = (),
         command: CommandFor | None = None,
         cpus: CpusFor | None = None,
+        progress: ProgressTable | None = None,
+        stop_guard: StopGuard | None = None,
     ) -> None:
         self.settings = settings
         self.rendezvous = rendezvous
@@ -162,6 +168,8 @@ class Controller:
         self.observers = list(observers)
         self.command = command or settings_command(settings, self.environ)
         self.cpus = cpus or (lambda local_rank: None)
+        self.progress = progress or ProgressTable()
+        self.stop_guard = stop_guard
         base, top = settings.backoff
         self.policy = RestartPolicy(
             max_restarts=settings.max_restarts,
@@ -353,6 +361,7 @@ class Controller:
         )
         self.attempt = attempt
         self.events.attempt = decision.attempt
+        self.progress.reset(decision.attempt)
         failed_to_start: list[tuple[int, str]] = []
         for local_rank in range(layout.local_world_size):
             try:
@@ -453,6 +462,17 @@ class Controller:
 
     async def _stop_attempt(self, attempt: Attempt | None, decision: sm.StopGroup) -> None:
         started = time.monotonic()
+        guard = (
+            self.stop_guard()
+            if self.stop_guard is not None and decision.reason is sm.StopReason.SHUTDOWN
+            else nullcontext()
+        )
+        async with guard:
+            await self._stop_workers(attempt, decision)
+        self.events.emit("group_stopped", seconds=round(time.monotonic() - started, 6))
+        self._post(sm.GroupStopped(time.monotonic(), self._rng.random()))
+
+    async def _stop_workers(self, attempt: Attempt | None, decision: sm.StopGroup) -> None:
         if attempt is not None and attempt.workers:
             await stop_group(
                 attempt.workers,
@@ -469,8 +489,6 @@ class Controller:
             await self.output.drain(attempt.dir_index)
             for observer in self.observers:
                 observer.on_stopped(attempt)
-        self.events.emit("group_stopped", seconds=round(time.monotonic() - started, 6))
-        self._post(sm.GroupStopped(time.monotonic(), self._rng.random()))
 
     # ------------------------------------------------------------------ the end
     def _finish(self, decision: sm.Exit) -> None:

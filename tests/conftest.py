@@ -97,11 +97,19 @@ async def _pump(stream: anyio.abc.ByteReceiveStream, sink: Stream) -> None:
 
 @asynccontextmanager
 async def supervisor(
-    args: Sequence[str], env: dict[str, str] | None = None, cwd: str | Path | None = None
+    args: Sequence[str],
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
 ) -> AsyncIterator[Supervised]:
-    """Start ``python -m supervisor run ARGS``; kill it (and wait) on the way out."""
-    full_env = {**os.environ, **(env or {})}
-    full_env.pop("NOTIFY_SOCKET", None)
+    """Start ``python -m supervisor run ARGS``; kill it (and wait) on the way out.
+
+    systemd's variables are never inherited from the test's own environment; a test of
+    sd_notify passes its own NOTIFY_SOCKET in ``env``.
+    """
+    full_env = {**os.environ}
+    for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
+        full_env.pop(key, None)
+    full_env.update(env or {})
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     cmd = [sys.executable, "-m", "supervisor", "run", *args]
     process = await anyio.open_process(cmd, env=full_env, cwd=cwd)

@@ -32,6 +32,13 @@ def main() -> None:
     p.add_argument("--trap", default=None, help="on SIGUSR1/2 print 'got SIGNAME'")
     p.add_argument("--error-message", default=None, help="write a torch-style error file")
     p.add_argument("--lines", type=int, default=0, help="print N numbered lines first")
+    p.add_argument("--usr1-exit", type=int, default=None,
+                   help="on SIGUSR1, exit with this code (only ranks/attempts that fail)")
+    p.add_argument("--say", action="append", default=[], help="print this line on stdout")
+    p.add_argument("--say-err", action="append", default=[], help="print this line on stderr")
+    p.add_argument("--partial", default=None, help="after ready, write this without a newline")
+    p.add_argument("--long-line", type=int, default=0,
+                   help="after ready, on SIGUSR1 write N bytes with no newline; exit on the next")
     args, _rest = p.parse_known_args()
     rank = int(os.environ.get("RANK", "0"))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -49,17 +56,30 @@ def main() -> None:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
         with open(f"{args.grandchild}.{rank}", "w") as f:
             f.write(str(child.pid))
-    for i in range(args.lines):
-        say(f"line {rank} {i}")
-    say(f"ready {rank} {os.getpid()} {restart}")
+    if args.long_line:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # before ready: no race
     failing = args.fail_rank is None or args.fail_rank == rank
     if args.fail_attempts is not None and restart >= args.fail_attempts:
         failing = False
+    if args.usr1_exit is not None and failing:
+        code = args.usr1_exit
+        signal.signal(signal.SIGUSR1, lambda _n, _f: os._exit(code))
+    for i in range(args.lines):
+        say(f"line {rank} {i}")
+    for text in args.say:
+        say(text)
+    for text in args.say_err:
+        os.write(2, (text + "\n").encode())
+    say(f"ready {rank} {os.getpid()} {restart}")
+    if args.partial is not None:
+        os.write(1, args.partial.encode())
+    if args.long_line:
+        write_long_line(args.long_line)
     if args.exit is not None and failing:
         if args.error_message:
             write_error_file(args.error_message)
         sys.exit(args.exit)
-    if args.hang or args.ignore_term or args.trap or args.grandchild:
+    if args.hang or args.ignore_term or args.trap or args.grandchild or args.usr1_exit is not None:
         while True:
             time.sleep(3600)
 
@@ -73,6 +93,16 @@ def write_error_file(message: str) -> None:
                                       "timestamp": str(int(time.time()))}}}
     with open(path, "w") as f:
         json.dump(data, f)
+
+
+def write_long_line(size: int) -> None:
+    """On SIGUSR1, write ``size`` bytes of 'x' with no newline; return on the next SIGUSR1."""
+    signal.sigwait({signal.SIGUSR1})
+    block = b"x" * 65536
+    left = size
+    while left:
+        left -= os.write(1, block[: min(left, len(block))])
+    signal.sigwait({signal.SIGUSR1})
 
 
 if __name__ == "__main__":

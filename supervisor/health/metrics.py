@@ -1,0 +1,219 @@
+"""Prometheus metrics for one supervisor, in a private registry.
+
+Two kinds of series:
+
+- **Counters and histograms of events.** ``Metrics`` plugs into the code that sees them
+  through the narrow seams that code already has: it is a controller ``Observer``
+  (``on_transition`` counts worker exits, failures, restarts and rendezvous rounds) and
+  a watchdog ``WatchdogMetrics`` (``request_accepted``, ``request_rejected``,
+  ``deadline_expired``). The HTTP server counts its own requests.
+- **Gauges of current state** (phase, workers up, attempt, restarts, world size, loop
+  lag, last progress age per rank). These are derived at scrape time from the published
+  snapshot by ``observe``, so they can never drift from what ``/status`` says.
+
+Each ``Metrics`` has its own ``CollectorRegistry``: several supervisors may live in one
+test process, and the global registry would mix them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Enum as EnumMetric
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+
+from supervisor.core import state as sm
+from supervisor.core.snapshot import Snapshot
+
+NAMESPACE = "elastic_supervisor"
+
+WORKER_OUTCOMES = ("succeeded", "failed", "signaled", "stopped")
+"""Worker exit outcomes: 0, non-zero, killed by a signal, or exited while being stopped."""
+
+HTTP_PATHS = ("/healthz", "/readyz", "/status", "/metrics", "/openapi.json")
+OTHER_PATH = "other"
+
+_PHASES = tuple(p.value for p in sm.Phase)
+_RENDEZVOUS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+
+
+class Metrics:
+    """All metrics of one supervisor; ``render()`` gives the Prometheus text."""
+
+    content_type = CONTENT_TYPE_PLAIN_0_0_4
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._clock = clock
+        # the supervisor starts in RENDEZVOUS: the first round is timed from here
+        self._rendezvous_since = clock()
+        self._make_run_counters()
+        self._make_watchdog_counters()
+        self._make_state_gauges()
+
+    # ------------------------------------------------------------------ construction
+
+    def _counter(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(name, doc, labels, namespace=NAMESPACE, registry=self.registry)
+
+    def _gauge(self, name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(name, doc, labels, namespace=NAMESPACE, registry=self.registry)
+
+    def _make_run_counters(self) -> None:
+        self.restarts = self._counter("restarts", "Worker group restarts, by reason.", ("reason",))
+        self.failures = self._counter("failures", "Root-cause failures, by kind.", ("kind",))
+        self.worker_exits = self._counter(
+            "worker_exits", "Worker process exits, by outcome.", ("outcome",)
+        )
+        for outcome in WORKER_OUTCOMES:
+            self.worker_exits.labels(outcome)
+        self.rendezvous_rounds = self._counter("rendezvous_rounds", "Completed rendezvous rounds.")
+        self.rendezvous_duration = Histogram(
+            "rendezvous_duration_seconds", "Time to complete a rendezvous round.",
+            namespace=NAMESPACE, registry=self.registry, buckets=_RENDEZVOUS_BUCKETS,
+        )
+        self.http_requests = self._counter(
+            "http_requests", "HTTP requests served, by path and status code.", ("path", "code")
+        )
+
+    def _make_watchdog_counters(self) -> None:
+        self.watchdog_accepted = self._counter(
+            "watchdog_accepted_requests", "Watchdog FIFO requests accepted."
+        )
+        self.watchdog_rejected = self._counter(
+            "watchdog_rejected_requests", "Watchdog FIFO requests dropped, by reason.", ("reason",)
+        )
+        self.deadline_expirations = self._counter(
+            "deadline_expirations", "Watchdog deadlines that expired, by outcome.", ("outcome",)
+        )
+
+    def _make_state_gauges(self) -> None:
+        self.state = EnumMetric(
+            "state", "Current phase of the supervisor's run loop.",
+            namespace=NAMESPACE, registry=self.registry, states=list(_PHASES),
+        )
+        self.workers_up = self._gauge("workers_up", "Local workers currently running.")
+        self.attempt = self._gauge("attempt", "Current attempt (incarnation) number.")
+        self.restart_count = self._gauge("restart_count", "Failure restarts used so far.")
+        self.restarts_left = self._gauge("restarts_left", "Failure restarts left in the budget.")
+        self.world_size = self._gauge("world_size", "Global number of workers.")
+        self.rendezvous_round = self._gauge("rendezvous_round", "Current rendezvous round.")
+        self.loop_lag = self._gauge("event_loop_lag_seconds", "Measured event-loop lag.")
+        self.progress_age = self._gauge(
+            "last_progress_age_seconds", "Seconds since a local rank last reported progress.",
+            ("local_rank",),
+        )
+
+    # ------------------------------------------------------ controller Observer seam
+
+    def on_transition(
+        self, old: sm.State, new: sm.State, event: sm.Event, decision: sm.Decision
+    ) -> None:
+        """Count what one state-machine step means (called by the controller after it)."""
+        if isinstance(event, sm.WorkerExited):
+            self.record_worker_exit(_exit_outcome(old, event))
+        if new.root_cause is not None and new.root_cause is not old.root_cause:
+            self.failures.labels(new.root_cause.kind.value).inc()
+        reason = _restart_reason(old, new, decision)
+        if reason is not None:
+            self.record_restart(reason)
+        self._time_rendezvous(old, new, event)
+
+    def on_launch(self, attempt: object) -> None:
+        """Controller ``Observer`` hook; gauges come from the snapshot instead."""
+
+    def on_stopped(self, attempt: object) -> None:
+        """Controller ``Observer`` hook; gauges come from the snapshot instead."""
+
+    def _time_rendezvous(self, old: sm.State, new: sm.State, event: sm.Event) -> None:
+        if isinstance(event, sm.RendezvousComplete):
+            self.record_rendezvous(self._clock() - self._rendezvous_since)
+        elif new.phase is sm.Phase.RENDEZVOUS and old.phase is not sm.Phase.RENDEZVOUS:
+            self._rendezvous_since = self._clock()
+
+    # -------------------------------------------------------- watchdog metrics seam
+
+    def request_accepted(self) -> None:
+        """A watchdog request was accepted (it counts as worker progress)."""
+        self.watchdog_accepted.inc()
+
+    def request_rejected(self, reason: str) -> None:
+        """A watchdog request was dropped (malformed, oversized, unknown pid, ...)."""
+        self.watchdog_rejected.labels(reason).inc()
+
+    def deadline_expired(self, outcome: str) -> None:
+        """A watchdog deadline expired; ``outcome`` says what became of the worker."""
+        self.deadline_expirations.labels(outcome).inc()
+
+    # ------------------------------------------------------------ direct recording
+
+    def record_restart(self, reason: str) -> None:
+        """A restart of the worker group was decided (failure kind, or ``membership``)."""
+        self.restarts.labels(reason).inc()
+
+    def record_worker_exit(self, outcome: str) -> None:
+        """A worker process exited (``outcome``: one of ``WORKER_OUTCOMES``)."""
+        self.worker_exits.labels(outcome).inc()
+
+    def record_rendezvous(self, duration: float) -> None:
+        """A rendezvous round completed after ``duration`` seconds."""
+        self.rendezvous_rounds.inc()
+        self.rendezvous_duration.observe(max(0.0, duration))
+
+    def record_http_request(self, path: str, code: int) -> None:
+        """One HTTP request was answered; unknown paths share one label value."""
+        label = path if path in HTTP_PATHS else OTHER_PATH
+        self.http_requests.labels(label, str(code)).inc()
+
+    # ----------------------------------------------------------------------- state
+
+    def observe(
+        self,
+        snapshot: Snapshot,
+        progress: Mapping[int, float],
+        now_mono: float,
+        loop_lag: float,
+    ) -> None:
+        """Set the state gauges from the current snapshot (called at scrape time)."""
+        if snapshot.phase in _PHASES:
+            self.state.state(snapshot.phase)
+        self.workers_up.set(sum(1 for w in snapshot.workers if w.state == "running"))
+        self.attempt.set(snapshot.attempt)
+        self.restart_count.set(snapshot.restart_count)
+        self.restarts_left.set(snapshot.restarts_left)
+        self.world_size.set(snapshot.world_size)
+        self.rendezvous_round.set(snapshot.rendezvous.round)
+        self.loop_lag.set(loop_lag)
+        self._observe_progress(progress, now_mono)
+
+    def _observe_progress(self, progress: Mapping[int, float], now_mono: float) -> None:
+        # ranks of a previous attempt must disappear, so rebuild the labelled series
+        self.progress_age.clear()
+        for rank, last in sorted(progress.items()):
+            self.progress_age.labels(str(rank)).set(max(0.0, now_mono - last))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric in this registry."""
+        return generate_latest(self.registry)
+
+
+def _exit_outcome(old: sm.State, event: sm.WorkerExited) -> str:
+    if event.exit_code == 0:
+        return "succeeded"
+    if old.phase is sm.Phase.STOPPING:
+        return "stopped"  # we asked it to stop; not a failure of its own
+    return "signaled" if event.signal is not None else "failed"
+
+
+def _restart_reason(old: sm.State, new: sm.State, decision: sm.Decision) -> str | None:
+    if isinstance(decision, sm.StartBackoff):
+        return new.root_cause.kind.value if new.root_cause is not None else "unknown"
+    if (
+        isinstance(decision, sm.StartRendezvous)
+        and old.phase is sm.Phase.STOPPING
+        and old.stop_reason is sm.StopReason.MEMBERSHIP
+    ):
+        return "membership"
+    return None

@@ -1,0 +1,239 @@
+"""The read-only health HTTP server: ``/healthz /readyz /status /metrics /openapi.json``.
+
+One aiohttp application run as one cooperating task on the supervisor's event loop.
+Handlers only read: the current ``Snapshot`` (published by the controller), the
+``ProgressTable`` and the measured loop lag. They never await anything, so a probe is
+answered in microseconds even while the controller is busy stopping a group.
+
+GET and HEAD only. Unknown paths answer 404, other methods 405 with ``Allow``; every
+body is small JSON except ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from importlib import resources
+from typing import Any
+
+import anyio
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from anyio.abc import TaskStatus
+
+from supervisor.core import health
+from supervisor.core.snapshot import ProgressTable, Snapshot
+from supervisor.health.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+http_logger = logging.getLogger(__name__ + ".http")
+"""aiohttp's protocol errors go here (not to ``aiohttp.server``)."""
+
+SnapshotSource = Callable[[], Snapshot]
+LagSource = Callable[[], float]
+Clock = Callable[[], float]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+CLEANUP_TIMEOUT = 5.0
+SHUTDOWN_TIMEOUT = 1.0  # in-flight requests are tiny; do not hold a stop for them
+MAX_REQUEST_BODY = 1024  # nothing is ever read from a body
+SERVER_NAME = "elastic-supervisor"
+_COMMON_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
+
+
+class _DropClientErrors(logging.Filter):
+    """Drop tracebacks for malformed requests: aiohttp already answered them 400.
+
+    A misbehaving prober must not fill the log with one traceback per request.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, HttpProcessingError)
+
+
+http_logger.addFilter(_DropClientErrors())
+
+
+class HealthApp:
+    """The request handlers, bound to their read-only sources."""
+
+    def __init__(
+        self,
+        snapshots: SnapshotSource,
+        progress: ProgressTable,
+        metrics: Metrics,
+        lag: LagSource,
+        *,
+        clock: Clock = time.monotonic,
+        wall: Clock = time.time,
+        max_loop_lag: float = health.DEFAULT_MAX_LOOP_LAG,
+    ) -> None:
+        self._snapshots = snapshots
+        self._progress = progress
+        self._metrics = metrics
+        self._lag = lag
+        self._clock = clock
+        self._wall = wall
+        self._max_loop_lag = max_loop_lag
+        self._openapi = load_openapi()
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        """Liveness: 200 while not stuck, else 503."""
+        verdict = health.liveness(
+            self._snapshots(), self._progress.view(), self._clock(), self._lag(),
+            max_loop_lag=self._max_loop_lag,
+        )
+        return _verdict_response(verdict)
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Readiness: 200 while the group runs healthy, else 503."""
+        verdict = health.ready_and_live(
+            self._snapshots(), self._progress.view(), self._clock(), self._lag(),
+            max_loop_lag=self._max_loop_lag,
+        )
+        return _verdict_response(verdict)
+
+    async def status(self, request: web.Request) -> web.Response:
+        """The status document."""
+        doc = health.status_document(
+            self._snapshots(), self._progress.view(), self._clock(), now_wall=self._wall()
+        )
+        return _json_response(doc, 200)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text; state gauges are refreshed from the snapshot first."""
+        self._metrics.observe(
+            self._snapshots(), self._progress.view(), self._clock(), self._lag()
+        )
+        return web.Response(
+            body=self._metrics.render(),
+            headers={"Content-Type": self._metrics.content_type, **_COMMON_HEADERS},
+        )
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The OpenAPI document describing these endpoints."""
+        return web.Response(
+            body=self._openapi,
+            headers={"Content-Type": "application/json", **_COMMON_HEADERS},
+        )
+
+    @web.middleware
+    async def errors_and_counts(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Turn router errors into small JSON bodies and count every request."""
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            response = _error_response(exc)
+        except Exception:
+            # never let a bug in a reader take the server down: log it, answer 500
+            logger.exception("health handler failed for %s %s", request.method, request.path)
+            response = _json_response({"error": "internal error", "status": 500}, 500)
+        self._metrics.record_http_request(request.path, response.status)
+        return response
+
+
+def make_app(
+    snapshots: SnapshotSource,
+    progress: ProgressTable,
+    metrics: Metrics,
+    lag: LagSource,
+    *,
+    clock: Clock = time.monotonic,
+    wall: Clock = time.time,
+    max_loop_lag: float = health.DEFAULT_MAX_LOOP_LAG,
+) -> web.Application:
+    """Build the aiohttp application (routes, middleware) without starting it."""
+    handlers = HealthApp(
+        snapshots, progress, metrics, lag, clock=clock, wall=wall, max_loop_lag=max_loop_lag
+    )
+    app = web.Application(
+        middlewares=[handlers.errors_and_counts], client_max_size=MAX_REQUEST_BODY
+    )
+    routes = {
+        "/healthz": handlers.healthz,
+        "/readyz": handlers.readyz,
+        "/status": handlers.status,
+        "/metrics": handlers.metrics,
+        "/openapi.json": handlers.openapi,
+    }
+    for path, handler in routes.items():
+        app.router.add_get(path, handler, allow_head=True)
+    app.on_response_prepare.append(_hide_server_version)
+    return app
+
+
+async def serve_health(
+    host: str,
+    port: int,
+    snapshots: SnapshotSource,
+    progress: ProgressTable,
+    metrics: Metrics,
+    lag: LagSource,
+    *,
+    max_loop_lag: float = health.DEFAULT_MAX_LOOP_LAG,
+    task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the health endpoints until cancelled; started with the bound ``(host, port)``.
+
+    ``port`` 0 picks a free port; the one bound is logged and passed to ``started``.
+    """
+    app = make_app(snapshots, progress, metrics, lag, max_loop_lag=max_loop_lag)
+    runner = web.AppRunner(
+        app,
+        handle_signals=False,
+        access_log=None,
+        shutdown_timeout=SHUTDOWN_TIMEOUT,
+        logger=http_logger,
+    )
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = _bound_port(runner, port)
+        logger.info("health server listening on http://%s:%d", host, bound)
+        task_status.started((host, bound))
+        await anyio.sleep_forever()
+    finally:
+        with anyio.move_on_after(CLEANUP_TIMEOUT, shield=True) as scope:
+            await runner.cleanup()
+        if scope.cancelled_caught:
+            logger.warning("health server cleanup took over %.1f s; abandoned", CLEANUP_TIMEOUT)
+
+
+def load_openapi() -> bytes:
+    """The OpenAPI document shipped in this package, as bytes."""
+    return resources.files("supervisor.health").joinpath("openapi.json").read_bytes()
+
+
+def _bound_port(runner: web.AppRunner, requested: int) -> int:
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            return int(address[1])
+    return requested
+
+
+async def _hide_server_version(request: web.Request, response: web.StreamResponse) -> None:
+    # aiohttp would announce its and Python's exact versions to every prober
+    response.headers["Server"] = SERVER_NAME
+
+
+def _verdict_response(verdict: health.Verdict) -> web.Response:
+    return _json_response(verdict.as_json(), 200 if verdict.ok else 503)
+
+
+def _error_response(exc: web.HTTPException) -> web.Response:
+    headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+    response = _json_response({"error": exc.reason, "status": exc.status}, exc.status)
+    response.headers.update(headers)
+    return response
+
+
+def _json_response(body: dict[str, Any], status: int) -> web.Response:
+    return web.Response(
+        body=json.dumps(body, separators=(",", ":")).encode(),
+        status=status,
+        headers={"Content-Type": "application/json", **_COMMON_HEADERS},
+    )

@@ -1,0 +1,189 @@
+"""``elastic-supervisor status [--url URL] [--json] [--timeout S]``: show a supervisor's status.
+
+Fetches ``/status`` from a running supervisor's health endpoint and prints it as a short
+readable summary with a table of workers, or as the raw JSON document. Exit codes: 0
+shown, 1 the supervisor could not be reached or answered nonsense, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+DEFAULT_URL = "http://127.0.0.1:29480"
+DEFAULT_TIMEOUT = 5.0
+MAX_BODY = 1 << 20  # a status document is a few KiB; refuse to slurp anything huge
+EXIT_OK = 0
+EXIT_UNREACHABLE = 1
+EXIT_USAGE = 2
+PROG = "elastic-supervisor status"
+
+
+class StatusError(Exception):
+    """The status could not be fetched or was not a status document."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def main_status(argv: list[str]) -> int:
+    """Run the ``status`` subcommand; returns the process exit code."""
+    try:
+        ns = _build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed by argparse
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        url = status_url(ns.url)
+    except ValueError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return EXIT_USAGE
+    try:
+        doc = fetch_status(url, ns.timeout)
+    except StatusError as exc:
+        sys.stderr.write(f"{PROG}: {exc}\n")
+        return EXIT_UNREACHABLE
+    if ns.json:
+        sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(format_status(doc))
+    return EXIT_OK
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Show the status of a running elastic-supervisor.")
+    p.add_argument(
+        "--url", default=DEFAULT_URL,
+        help=f"health endpoint base URL or full /status URL (default {DEFAULT_URL})",
+    )
+    p.add_argument("--json", action="store_true", help="print the raw JSON document")
+    p.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT,
+        help=f"seconds to wait for an answer (default {DEFAULT_TIMEOUT:g})",
+    )
+    return p
+
+
+def status_url(url: str) -> str:
+    """``http://host:port`` or ``.../status``: the URL of the status document."""
+    parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    path = parts.path if parts.path not in ("", "/") else "/status"
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def fetch_status(url: str, timeout: float) -> dict[str, Any]:
+    """GET the status document, or raise ``StatusError`` with a one-line reason."""
+    # the health endpoint is local or in-cluster: never route it through a proxy
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    request = urllib.request.Request(url, headers={"Accept": "application/json"})
+    try:
+        with opener.open(request, timeout=timeout) as resp:
+            body = resp.read(MAX_BODY + 1)
+    except urllib.error.HTTPError as exc:
+        raise StatusError(f"{url}: HTTP {exc.code} {exc.reason}") from None
+    except urllib.error.URLError as exc:
+        raise StatusError(f"cannot reach {url}: {exc.reason}") from None
+    except (OSError, ValueError) as exc:  # timeouts, resets, bad ports
+        raise StatusError(f"cannot reach {url}: {exc}") from None
+    return _parse(url, body)
+
+
+def _parse(url: str, body: bytes) -> dict[str, Any]:
+    if len(body) > MAX_BODY:
+        raise StatusError(f"{url}: answer larger than {MAX_BODY} bytes; not a status document")
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        raise StatusError(f"{url}: answer is not JSON; not a supervisor?") from None
+    if not isinstance(doc, dict) or "state" not in doc or "run_id" not in doc:
+        raise StatusError(f"{url}: answer is not a status document; not a supervisor?")
+    return doc
+
+
+# ---------------------------------------------------------------------------- format
+
+
+def format_status(doc: dict[str, Any]) -> str:
+    """A short human summary of a status document, ending with a worker table."""
+    lines = _summary_lines(doc)
+    workers = doc.get("workers") or []
+    if workers:
+        lines.append("")
+        lines.extend(_worker_table(workers))
+    return "\n".join(lines) + "\n"
+
+
+def _summary_lines(doc: dict[str, Any]) -> list[str]:
+    restarts = doc.get("restarts") or {}
+    rdzv = doc.get("rendezvous") or {}
+    members = rdzv.get("members") or []
+    lines = [
+        f"run         {doc.get('run_id')}  (role {doc.get('role')}, "
+        f"version {doc.get('version')}, up {_duration(doc.get('uptime'))})",
+        f"state       {doc.get('state')}  attempt {doc.get('attempt')}, restarts "
+        f"{restarts.get('used')}/{restarts.get('max')} used, {restarts.get('left')} left",
+        f"node        {doc.get('node_rank')} of {doc.get('group_world_size')}, "
+        f"world size {doc.get('world_size')} ({doc.get('local_world_size')} local)",
+        f"rendezvous  {rdzv.get('backend')} round {rdzv.get('round')}, "
+        f"{len(members)} member(s), took {_duration(rdzv.get('duration'))}",
+    ]
+    if doc.get("status"):
+        lines.append(f"status      {doc['status']}")
+    failure = doc.get("last_failure")
+    if failure:
+        lines.append(
+            f"failure     attempt {failure.get('attempt')}: {failure.get('description')}"
+        )
+    if doc.get("exit_code") is not None:
+        lines.append(f"exit code   {doc['exit_code']}")
+    return lines
+
+
+_COLUMNS = ("LOCAL", "RANK", "PID", "STATE", "EXIT", "PROGRESS")
+
+
+def _worker_table(workers: Sequence[dict[str, Any]]) -> list[str]:
+    rows = [_COLUMNS, *(_worker_row(w) for w in workers)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
+
+
+def _worker_row(w: dict[str, Any]) -> tuple[str, ...]:
+    if w.get("exit_code") is not None:
+        exit_text = str(w["exit_code"])
+    elif w.get("signal") is not None:
+        exit_text = f"sig {w['signal']}"
+    else:
+        exit_text = "-"
+    age = w.get("last_progress_age")
+    progress = "-" if age is None else f"{_duration(age)} ago"
+    return (
+        str(w.get("local_rank")), str(w.get("global_rank")), _dash(w.get("pid")),
+        str(w.get("state")), exit_text, progress,
+    )
+
+
+def _dash(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _duration(seconds: object) -> str:
+    if not isinstance(seconds, int | float):
+        return "-"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f}ms"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"

@@ -1,0 +1,153 @@
+"""The real daemon as a service: HTTP probes and sd_notify seen from outside."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import struct
+import sys
+from pathlib import Path
+
+import aiohttp
+import anyio
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import FAKE_WORKER, Supervised, supervisor
+
+
+async def health_url(sup: Supervised) -> str:
+    port = (await sup.err.expect(r"health endpoint on http://[^:]+:(\d+)")).group(1)
+    return f"http://127.0.0.1:{port}"
+
+
+async def get(url: str) -> tuple[int, dict[str, object]]:
+    async with aiohttp.ClientSession() as session, session.get(url) as resp:
+        return resp.status, await resp.json()
+
+
+async def test_readyz_follows_the_run_through_a_restart(tmp_path: Path) -> None:
+    # rank 1 ignores SIGTERM, so the failure stop lasts the whole 1 s grace: a window
+    # in which /readyz must say 503 while /healthz stays 200
+    args = ["--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
+            "--shutdown-timeout", "1", "--log-dir", str(tmp_path), FAKE_WORKER,
+            "--usr1-exit", "3", "--fail-rank", "0", "--fail-attempts", "1", "--ignore-term",
+            "--trap", "1"]
+    async with supervisor(args) as sup:
+        url = await health_url(sup)
+        for _ in range(2):
+            await sup.out.expect(r"^ready \d \d+ 0$")
+        status, body = await get(url + "/readyz")
+        assert status == 200, body
+        sup.signal(signal.SIGUSR1)  # forwarded: rank 0 exits 3
+        await sup.err.expect(r"running -> stopping")
+        assert (await get(url + "/readyz"))[0] == 503
+        assert (await get(url + "/healthz"))[0] == 200
+        await sup.err.expect(r"starting -> running", timeout=20)
+        status, body = await get(url + "/readyz")
+        assert status == 200, body
+        status, doc = await get(url + "/status")
+        assert doc["restarts"] == {"used": 1, "max": 1, "left": 0}
+        assert doc["state"] == "running" and doc["attempt"] == 2
+        failure = doc["last_failure"]
+        assert isinstance(failure, dict) and failure["exit_code"] == 3
+        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
+            text = await resp.text()
+        names = {f.name for f in text_string_to_metric_families(text)}
+        assert any("restart" in n for n in names)
+        sup.signal(signal.SIGTERM)
+        assert await sup.wait() == 128 + signal.SIGTERM
+
+
+def _notify_socket(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    sock.bind(str(path))
+    return sock
+
+
+async def _receive(sock: socket.socket) -> tuple[int, str]:
+    """One datagram and the sender's pid (SCM_CREDENTIALS)."""
+    while True:
+        await anyio.wait_readable(sock)
+        try:
+            data, ancdata, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(12))
+        except BlockingIOError:
+            continue
+        pid = 0
+        for level, kind, cdata in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                pid = struct.unpack("iII", cdata[:12])[0]
+        return pid, data.decode()
+
+
+async def test_sd_notify_ready_status_watchdog_stopping(tmp_path: Path) -> None:
+    env_dir = tmp_path / "env"
+    env_dir.mkdir()
+    sock = _notify_socket(tmp_path / "notify")
+    args = ["--health-port", "0", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
+            FAKE_WORKER, "--dump-env", str(env_dir), "--hang"]
+    env = {"NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "400000"}
+    with sock:
+        async with supervisor(args, env=env) as sup:
+            seen: list[str] = []
+            with anyio.fail_after(15):
+                while not any("READY=1" in m for m in seen):
+                    pid, message = await _receive(sock)
+                    assert pid == sup.pid  # only the supervisor itself talks to systemd
+                    seen.append(message)
+            assert "running attempt 1" in "".join(seen)
+            assert any(m.startswith("WATCHDOG=1") for m in seen)
+            # pings keep coming at about WATCHDOG_USEC/2
+            pings = 0
+            with anyio.fail_after(5):
+                while pings < 3:
+                    pid, message = await _receive(sock)
+                    assert pid == sup.pid
+                    pings += "WATCHDOG=1" in message
+            for _ in range(2):
+                await sup.out.expect(r"^ready")
+            sup.signal(signal.SIGTERM)
+            with anyio.fail_after(10):
+                while True:
+                    pid, message = await _receive(sock)
+                    if "STOPPING=1" in message:
+                        break
+            assert await sup.wait() == 128 + signal.SIGTERM
+    for rank in range(2):
+        worker_env = json.loads((env_dir / f"{rank}.json").read_text())
+        assert not {"NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"} & worker_env.keys()
+
+
+async def test_no_ready_on_bad_config(tmp_path: Path) -> None:
+    sock = _notify_socket(tmp_path / "notify")
+    with sock:
+        async with supervisor(["--health-port", "0", "--nnodes", "x", FAKE_WORKER],
+                              env={"NOTIFY_SOCKET": str(tmp_path / "notify")}) as sup:
+            assert await sup.wait() == 2
+        try:
+            data = sock.recv(4096)
+        except BlockingIOError:
+            data = b""
+        assert b"READY=1" not in data
+
+
+async def test_status_command_reads_a_live_supervisor(tmp_path: Path) -> None:
+    args = ["--health-port", "0", "--nproc-per-node", "2", "--log-dir", str(tmp_path),
+            FAKE_WORKER, "--hang"]
+    async with supervisor(args) as sup:
+        url = await health_url(sup)
+        for _ in range(2):
+            await sup.out.expect(r"^ready")
+        proc = await anyio.run_process(
+            [sys.executable, "-m", "supervisor", "status", "--url", url, "--json"], check=False
+        )
+        assert proc.returncode == 0, proc.stderr
+        doc = json.loads(proc.stdout)
+        assert doc["state"] == "running" and len(doc["workers"]) == 2
+        table = await anyio.run_process(
+            [sys.executable, "-m", "supervisor", "status", "--url", url], check=False
+        )
+        assert table.returncode == 0 and b"running" in table.stdout
+        sup.signal(signal.SIGTERM)
+        assert await sup.wait() == 143
