@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import anyio
-from anyio.abc import TaskStatus
+from anyio.abc import TaskGroup, TaskStatus
 
 from supervisor.config import ConfigError, Settings
 from supervisor.controller import (
@@ -28,6 +28,7 @@ from supervisor.controller import (
     Controller,
     CpusFor,
     ForwardSignal,
+    Observer,
     Outbox,
     ReopenLogs,
     SnapshotHub,
@@ -49,6 +50,9 @@ from supervisor.systemd import (
     extending_timeout,
     run_watchdog_pings,
 )
+from supervisor.watchdog.dstate import DStateMonitor
+from supervisor.watchdog.escalate import HangDump
+from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
 from supervisor.workers.guardian import Guardian, set_child_subreaper
 from supervisor.workers.output import OutputPlan, OutputSpecError
 
@@ -124,16 +128,19 @@ async def supervise(
     metrics = Metrics()
     lag = LoopLag()
     progress = ProgressTable()
+    runtime = RuntimeDir.create(environ)
+    timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
     if not embedded:
         set_child_subreaper()
     guardian = Guardian()
     hub = SnapshotHub(_initial_snapshot(settings, run_id))
+    observers: list[Observer] = [metrics, _StopNotice(reporter)]
     controller = Controller(
         settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
         output=output, environ=worker_base_env(environ, settings.local_world_size),
-        timer_file=None, guardian=guardian, exempt_pids=[guardian.pid],
-        sweep_adopted=not embedded, command=command, cpus=cpus, progress=progress,
-        observers=[metrics, _StopNotice(reporter)],
+        timer_file=str(timer_file) if timer_file else None, guardian=guardian,
+        exempt_pids=[guardian.pid], sweep_adopted=not embedded, command=command, cpus=cpus,
+        progress=progress, observers=observers,
         stop_guard=lambda: extending_timeout(notifier),
     )
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
@@ -155,6 +162,8 @@ async def supervise(
                 )
                 logger.info("health endpoint on http://%s:%d", host, port)
                 events.emit("health_listening", host=host, port=port)
+            if timer_file is not None:
+                await start_watchdog(tg, settings, controller, timer_file, send, metrics)
             tg.start_soon(publish_status, hub, reporter)
             code = await controller.run(receive, send)
             reporter.publish(hub.current)
@@ -165,7 +174,92 @@ async def supervise(
         guardian.close()
         events.close()
         notifier.close()
+        runtime.cleanup()
     return code
+
+
+def _timer_file(settings: Settings, runtime_dir: Path) -> Path:
+    if settings.timer_file:
+        return Path(settings.timer_file)
+    return runtime_dir / "watchdog" / "timer.fifo"
+
+
+async def start_watchdog(
+    tg: TaskGroup,
+    settings: Settings,
+    controller: Controller,
+    timer_file: Path,
+    outbox: Outbox,
+    metrics: Metrics,
+) -> None:
+    """Open the deadline FIFO and start the D-state check; both report into the inbox."""
+
+    def dump_path(local_rank: int, pid: int) -> Path | None:
+        attempt = controller.attempt
+        return attempt.directory / str(local_rank) / f"hang-{pid}.txt" if attempt else None
+
+    config = WatchdogConfig(
+        kill_grace=min(5.0, max(0.5, settings.shutdown_timeout)),
+        hang_dump=HangDump.parse(settings.hang_dump),
+        dump_path=dump_path,
+    )
+    watchdog = Watchdog(
+        timer_file,
+        owner=lambda pid: owner_by_ancestry(pid, controller.live_worker_ranks()),
+        progress=controller.progress,
+        on_expired=outbox.send,
+        config=config,
+        metrics=metrics,
+    )
+    path = await tg.start(watchdog.run)
+    dstate = DStateMonitor(
+        controller.live_worker_ranks, outbox.send, hang_state_timeout=settings.hang_state_timeout
+    )
+    await tg.start(dstate.run)
+    controller.observers.append(_WatchdogHooks(watchdog, dstate))
+    logger.info("deadline FIFO at %s", path)
+
+
+class _WatchdogHooks:
+    """Keeps the watchdog's tables in step with the worker group."""
+
+    def __init__(self, watchdog: Watchdog, dstate: DStateMonitor) -> None:
+        self.watchdog = watchdog
+        self.dstate = dstate
+
+    def on_transition(
+        self, old: sm.State, new: sm.State, event: sm.Event, decision: sm.Decision
+    ) -> None:
+        if isinstance(event, sm.WorkerExited):
+            self.watchdog.forget_pid(event.pid)
+
+    def on_launch(self, attempt: Attempt) -> None:
+        # before any worker of the attempt can post: they are still exec'ing
+        self.watchdog.reset(attempt.number)
+        self.dstate.reset(attempt.number)
+
+    def on_stopped(self, attempt: Attempt) -> None:
+        self.watchdog.clear()
+
+
+class RuntimeDir:
+    """Private state (the FIFO): $RUNTIME_DIRECTORY under systemd, else a fresh 0700 dir."""
+
+    def __init__(self, path: Path, owned: bool) -> None:
+        self.path = path
+        self.owned = owned
+
+    @classmethod
+    def create(cls, environ: Mapping[str, str]) -> RuntimeDir:
+        given = environ.get("RUNTIME_DIRECTORY")
+        if given:
+            # systemd may pass several, space-separated; the first is ours
+            return cls(Path(given.split()[0]), owned=False)
+        return cls(Path(tempfile.mkdtemp(prefix="elastic-supervisor-run-")), owned=True)
+
+    def cleanup(self) -> None:
+        if self.owned:
+            shutil.rmtree(self.path, ignore_errors=True)
 
 
 def worker_base_env(environ: Mapping[str, str], local_world_size: int) -> dict[str, str]:

@@ -241,7 +241,8 @@ def validate(s: Settings) -> None:
          f"nnodes: the static backend needs a fixed node count, got {s.nnodes!r}"),
         (s.rdzv_backend != "static" or s.node_rank < s.max_nodes,
          f"node_rank: {s.node_rank} is out of range for {s.max_nodes} node(s)"),
-        (re.fullmatch(r"none|py-spy|signal:SIG[A-Z0-9]+", s.hang_dump) is not None,
+        (s.hang_dump in ("none", "py-spy")
+         or s.hang_dump.removeprefix("signal:") in signal.Signals.__members__,
          f"hang_dump: expected none, py-spy or signal:SIGNAME, got {s.hang_dump!r}"),
     ]
     checks.append((s.logs_specs is None,

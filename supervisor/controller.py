@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Protocol
 
 import anyio
-import psutil
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -528,21 +527,16 @@ class Controller:
         logger.error("\n".join(lines))
 
     # ------------------------------------------------------------------ snapshots
-    def owner(self, pid: int) -> int | None:
-        """The local rank a live pid belongs to (a worker or its descendant), else None."""
+    def live_worker_ranks(self) -> dict[int, int]:
+        """{pid: local rank} of the current attempt's workers that have not exited.
+
+        Empty unless the group is running: deadlines posted while a group is stopping or
+        before it started are not progress and must not be enforced.
+        """
         attempt = self.attempt
         if attempt is None or self.state.phase is not sm.Phase.RUNNING:
-            return None
-        by_pid = {w.pid: w.local_rank for w in attempt.workers if w.status is None}
-        if pid in by_pid:
-            return by_pid[pid]
-        try:
-            for parent in psutil.Process(pid).parents():
-                if parent.pid in by_pid:
-                    return by_pid[parent.pid]
-        except psutil.Error:
-            return None
-        return None
+            return {}
+        return {w.pid: w.local_rank for w in attempt.workers if w.status is None}
 
     def _publish(self) -> None:
         self.hub.publish(self.snapshot())

@@ -1,0 +1,30 @@
+"""The watchdog: deadline tailer (``timers``), FIFO I/O (``fifo``), escalation, D state."""
+
+from __future__ import annotations
+
+from supervisor.watchdog.dstate import DStateMonitor, DStateTracker
+from supervisor.watchdog.escalate import ExpiryOutcome, HangDump, ProcessHandle
+from supervisor.watchdog.fifo import FifoError, LineBuffer, open_fifo_reader
+from supervisor.watchdog.timers import (
+    Watchdog,
+    WatchdogConfig,
+    WatchdogMetrics,
+    WatchdogStats,
+    owner_by_ancestry,
+)
+
+__all__ = [
+    "DStateMonitor",
+    "DStateTracker",
+    "ExpiryOutcome",
+    "FifoError",
+    "HangDump",
+    "LineBuffer",
+    "ProcessHandle",
+    "Watchdog",
+    "WatchdogConfig",
+    "WatchdogMetrics",
+    "WatchdogStats",
+    "open_fifo_reader",
+    "owner_by_ancestry",
+]

@@ -1,0 +1,194 @@
+"""Escalation against a hung worker: hang dump, requested signal, then SIGKILL.
+
+Each step works on a ``ProcessHandle`` (a pidfd), so a signal reaches the process the
+deadline named and never a later one that reuses its pid, and each step is bounded in
+time. Separate from the tailer so it can be tested against a real child process.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import select
+import signal
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import anyio
+import anyio.abc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HangDump:
+    """What to capture from a hung worker before it is signalled (``--hang-dump``)."""
+
+    mode: str = "none"  # "none", "py-spy" or "signal"
+    signum: int = signal.SIGUSR1  # for mode "signal" (e.g. a faulthandler trigger)
+    timeout: float = 10.0  # py-spy: longest run
+    signal_wait: float = 1.0  # signal: how long the worker gets to write its dump
+    py_spy: str = "py-spy"  # the py-spy executable
+
+    @classmethod
+    def parse(cls, text: str, timeout: float = 10.0) -> HangDump:
+        """Parse ``none``, ``py-spy`` or ``signal:NAME|NUMBER`` (``signal:SIGUSR1``)."""
+        if text in ("none", "py-spy"):
+            return cls(text, timeout=timeout)
+        kind, _, name = text.partition(":")
+        if kind == "signal" and name:
+            return cls("signal", _parse_signal(name), timeout)
+        raise ValueError(f"--hang-dump must be none, py-spy or signal:NAME, not {text!r}")
+
+
+def _parse_signal(name: str) -> int:
+    if name.isdigit():
+        number = int(name)
+    else:
+        try:
+            number = int(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
+        except KeyError:
+            raise ValueError(f"unknown signal {name!r}") from None
+    if not 1 <= number <= 64 or number in (signal.SIGKILL, signal.SIGSTOP):
+        raise ValueError(f"signal {name!r} cannot trigger a dump")
+    return number
+
+
+class ExpiryOutcome(enum.StrEnum):
+    """What became of a worker whose deadline expired; stable metrics labels."""
+
+    EXITED = "exited"  # died after the requested signal
+    KILLED = "killed"  # needed SIGKILL (or SIGKILL was requested)
+    GONE = "gone"  # already dead when we came to signal it
+    DISOWNED = "disowned"  # no longer a worker of the current attempt: left alone
+
+
+class ProcessHandle:
+    """A pidfd on one process: signals and exit waits that cannot hit a reused pid."""
+
+    def __init__(self, pid: int, fd: int) -> None:
+        self.pid = pid
+        self._fd = fd
+
+    @classmethod
+    def open(cls, pid: int) -> ProcessHandle | None:
+        """A handle on ``pid``, or None if no such process exists."""
+        try:
+            return cls(pid, os.pidfd_open(pid))
+        except ProcessLookupError:
+            return None
+
+    def send(self, signum: int) -> bool:
+        """Send a signal; False if the process is gone."""
+        try:
+            signal.pidfd_send_signal(self._fd, signum)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def exited(self) -> bool:
+        """Whether the process has exited (a pidfd turns readable at exit)."""
+        poller = select.poll()  # not select(): fds above 1023 are fine
+        poller.register(self._fd, select.POLLIN)
+        return bool(poller.poll(0))
+
+    async def wait_exit(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the process to exit; returns whether it did."""
+        if self.exited():
+            return True
+        with anyio.move_on_after(timeout):
+            await anyio.wait_readable(self._fd)  # a pidfd turns readable at exit
+            return True
+        return False
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> ProcessHandle:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+async def terminate(
+    handle: ProcessHandle, signum: int, grace: float, still_owned: Callable[[], bool]
+) -> ExpiryOutcome:
+    """Send ``signum``, then SIGKILL after ``grace`` if it is still alive and still ours."""
+    if not still_owned():
+        return ExpiryOutcome.DISOWNED
+    if not handle.send(signum):
+        return ExpiryOutcome.GONE
+    if signum == signal.SIGKILL:
+        return ExpiryOutcome.KILLED
+    if await handle.wait_exit(grace):
+        return ExpiryOutcome.EXITED
+    if not still_owned():
+        return ExpiryOutcome.DISOWNED
+    logger.warning("pid %d survived %s for %.1f s: sending SIGKILL",
+                   handle.pid, signal.Signals(signum).name, grace)
+    return ExpiryOutcome.KILLED if handle.send(signal.SIGKILL) else ExpiryOutcome.GONE
+
+
+async def dump_hang(handle: ProcessHandle, spec: HangDump, path: Path | None) -> None:
+    """Capture where a hung process is, bounded by ``spec.timeout``; never raises."""
+    if spec.mode == "signal":
+        logger.info("asking pid %d for a stack dump with %s", handle.pid,
+                    signal.Signals(spec.signum).name)
+        if handle.send(spec.signum):
+            await handle.wait_exit(spec.signal_wait)  # time to write it; done if it died
+    elif spec.mode == "py-spy":
+        try:
+            await _py_spy_dump(handle.pid, spec, path)
+        except OSError as exc:
+            logger.warning("py-spy dump of pid %d failed: %s", handle.pid, exc)
+
+
+async def _py_spy_dump(pid: int, spec: HangDump, path: Path | None) -> None:
+    command = [spec.py_spy, "dump", "--pid", str(pid)]
+    if path is None:
+        result = await _run_bounded(command, subprocess.PIPE, spec.timeout)
+        if result:
+            logger.warning("hang dump of pid %d:\n%s", pid, result.decode(errors="replace"))
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as out:
+        await _run_bounded(command, out.fileno(), spec.timeout)
+    logger.warning("hang dump of pid %d saved to %s", pid, path)
+
+
+async def _run_bounded(command: list[str], stdout: int, timeout: float) -> bytes:
+    """Run a command for at most ``timeout`` seconds; returns what it printed if piped."""
+    async with await anyio.open_process(
+        command, stdin=subprocess.DEVNULL, stdout=stdout, stderr=subprocess.STDOUT
+    ) as proc:
+        output = b""
+        with anyio.move_on_after(timeout) as scope:
+            if proc.stdout is not None:
+                output = await _read_all(proc.stdout)
+            await proc.wait()
+        if scope.cancelled_caught:
+            logger.warning("%s did not finish in %.1f s: killed", command[0], timeout)
+            proc.kill()
+        return output
+
+
+async def _read_all(stream: anyio.abc.ByteReceiveStream, limit: int = 1 << 20) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in stream:
+        if size < limit:
+            chunks.append(chunk)
+            size += len(chunk)
+    return b"".join(chunks)[:limit]
