@@ -41,7 +41,7 @@ from supervisor.health.looplag import LoopLag
 from supervisor.health.metrics import Metrics
 from supervisor.health.server import serve_health
 from supervisor.logsetup import configure_logging
-from supervisor.rendezvous.base import Rendezvous
+from supervisor.rendezvous.base import Rendezvous, RendezvousError
 from supervisor.rendezvous.static import StaticRendezvous
 from supervisor.systemd import (
     NOTIFY_ENV_VARS,
@@ -81,12 +81,22 @@ def resolve_run_id(settings: Settings) -> str:
 
 
 def make_rendezvous(settings: Settings, run_id: str) -> Rendezvous:
+    """The configured backend; bad endpoints or conf values are one-line ConfigErrors."""
     if settings.rdzv_backend == "static":
         return StaticRendezvous(
             run_id, settings.max_nodes, settings.node_rank, settings.master_addr,
             settings.master_port,
         )
-    raise ConfigError(f"rdzv_backend: {settings.rdzv_backend!r} is not available")
+    from supervisor.rendezvous.etcd import EtcdRendezvous, RendezvousConfigError, make_config
+
+    try:
+        config = make_config(
+            endpoint=settings.rdzv_endpoint, run_id=run_id, nnodes=settings.nnodes,
+            rdzv_conf=settings.rdzv_conf, local_addr=settings.local_addr,
+        )
+    except RendezvousConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    return EtcdRendezvous(config)
 
 
 def check_runnable(settings: Settings, environ: Mapping[str, str]) -> None:
@@ -123,6 +133,10 @@ async def supervise(
     log_root = _log_root(settings)
     events = EventLog(settings.event_log or log_root / run_id / "events.jsonl", run_id)
     rendezvous = make_rendezvous(settings, run_id)
+    try:
+        await rendezvous.connect()
+    except RendezvousError as exc:
+        raise ConfigError(f"rdzv_endpoint: {exc}") from None
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
     reporter = StatusReporter(notifier)
     metrics = Metrics()
@@ -154,6 +168,7 @@ async def supervise(
             if not embedded:
                 await tg.start(deliver_signals, send)
             await tg.start(run_watchdog_pings, notifier)
+            await tg.start(rendezvous.run)
             await tg.start(lag.run)
             if not settings.no_health:
                 host, port = await tg.start(
@@ -167,6 +182,7 @@ async def supervise(
             tg.start_soon(publish_status, hub, reporter)
             code = await controller.run(receive, send)
             reporter.publish(hub.current)
+            await _close_rendezvous(rendezvous, controller.state)
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
@@ -176,6 +192,20 @@ async def supervise(
         notifier.close()
         runtime.cleanup()
     return code
+
+
+async def _close_rendezvous(rendezvous: Rendezvous, state: sm.State) -> None:
+    """A node that was asked to stop leaves alone; a job that failed here fails for all."""
+    with anyio.CancelScope(shield=True), anyio.move_on_after(10):
+        try:
+            if state.phase is sm.Phase.STOPPED:
+                await rendezvous.leave()
+            elif state.phase is sm.Phase.FAILED and state.root_cause is not None and (
+                state.root_cause.kind not in (sm.FailureKind.REMOTE, sm.FailureKind.RENDEZVOUS)
+            ):
+                await rendezvous.fail_job(state.last_decision_reason)
+        except RendezvousError as exc:
+            logger.warning("could not tell the rendezvous how this node ended: %s", exc)
 
 
 def _timer_file(settings: Settings, runtime_dir: Path) -> Path:

@@ -304,13 +304,21 @@ class Controller:
             self._post(sm.RendezvousFailed(str(exc), time.monotonic()))
             return
         self.round = replace(result, duration=time.monotonic() - started)
+        job_restarts = await self._job_restarts()
         self.events.emit(
             "rendezvous", round=result.round, group_rank=result.group_rank,
             group_world_size=result.group_world_size, world_size=result.world_size,
             master_addr=result.master_addr, master_port=result.master_port,
             members=list(result.members), duration=round(self.round.duration, 6),
         )
-        self._post(sm.RendezvousComplete(result.round, result.world_size))
+        self._post(sm.RendezvousComplete(result.round, result.world_size, job_restarts))
+
+    async def _job_restarts(self) -> int:
+        try:
+            return await self.rendezvous.restart_count()
+        except RendezvousError as exc:
+            logger.warning("cannot read the job-wide restart count: %s", exc)
+            return self.state.restart_count
 
     async def _exit_barrier(self) -> None:
         assert self.round is not None
@@ -330,6 +338,10 @@ class Controller:
         logger.warning("restarting the worker group: %s", decision.reason)
 
         async def wait() -> None:
+            try:  # count it job-wide first, so every node sees the same budget
+                await self.rendezvous.record_failure_restart(decision.reason)
+            except RendezvousError as exc:
+                logger.warning("cannot record the restart job-wide: %s", exc)
             await anyio.sleep(decision.delay)
             self._post(sm.BackoffElapsed())
 

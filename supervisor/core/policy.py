@@ -27,6 +27,7 @@ class Verdict:
     reason: str  # why, for the failure summary, event log and metrics
     budget_left: int
     history: RestartHistory
+    ceiling: float = 0.0  # the backoff's bound before jitter
 
 
 @dataclass(frozen=True)
@@ -60,11 +61,23 @@ class RestartPolicy:
         return max(0.0, min(1.0, jitter)) * self.ceiling(used)
 
     def decide(
-        self, history: RestartHistory, exit_code: int | None, now: float, jitter: float
+        self,
+        history: RestartHistory,
+        exit_code: int | None,
+        now: float,
+        jitter: float,
+        job_restarts: int = 0,
     ) -> Verdict:
-        """Restart or give up after a failure whose root cause exited with ``exit_code``."""
+        """Restart or give up after a failure whose root cause exited with ``exit_code``.
+
+        ``job_restarts`` is the job-wide count (every node's failure restarts): without a
+        healing window the budget is the job's, so ``--max-restarts`` means the same on
+        every node; with a window each node heals its own count.
+        """
         history = self.healed(history, now)
         used = len(history.restarts)
+        if self.budget_window is None:
+            used = max(used, job_restarts)
         left = max(0, self.max_restarts - used)
         if exit_code is not None and exit_code in self.no_restart_exit_codes:
             return Verdict(False, 0.0, f"exit code {exit_code} is not retryable", left, history)
@@ -81,7 +94,7 @@ class RestartPolicy:
         delay = self.backoff(used, jitter)
         history = replace(history, restarts=(*history.restarts, now))
         reason = f"restart {used + 1}/{self.max_restarts} after {delay:.3f} s"
-        return Verdict(True, delay, reason, left - 1, history)
+        return Verdict(True, delay, reason, left - 1, history, self.ceiling(used))
 
     def budget_left(self, history: RestartHistory, now: float) -> int:
         return max(0, self.max_restarts - len(self.healed(history, now).restarts))

@@ -99,6 +99,7 @@ def signal_name(signum: int) -> str:
 class RendezvousComplete:
     round: int
     world_size: int
+    restart_count: int = 0  # job-wide failure restarts so far (all nodes)
 
 
 @dataclass(frozen=True)
@@ -293,8 +294,9 @@ def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State
     match state.phase, event:
         # RENDEZVOUS -> STARTING
         case Phase.RENDEZVOUS, RendezvousComplete():
-            return replace(state, phase=Phase.STARTING), LaunchGroup(
-                state.attempt + 1, state.restart_count
+            count = max(state.restart_count, event.restart_count)
+            return replace(state, phase=Phase.STARTING, restart_count=count), LaunchGroup(
+                state.attempt + 1, count
             )
         # RENDEZVOUS -> FAILED
         case Phase.RENDEZVOUS, RendezvousFailed():
@@ -447,7 +449,8 @@ def _restart_or_fail(
     state: State, event: GroupStopped, policy: RestartPolicy
 ) -> tuple[State, Decision]:
     root = state.root_cause
-    verdict = policy.decide(state.history, root.exit_code if root else None, event.at, event.jitter)
+    code = root.exit_code if root else None
+    verdict = policy.decide(state.history, code, event.at, event.jitter, state.restart_count)
     if not verdict.restart:
         # STOPPING(failure) -> FAILED
         code = root.process_exit_code if root else 1
@@ -462,8 +465,7 @@ def _restart_or_fail(
         stop_reason=None,
         last_decision_reason=verdict.reason,
     )
-    ceiling = policy.ceiling(len(verdict.history.restarts) - 1)
-    return state, StartBackoff(verdict.delay, verdict.reason, ceiling)
+    return state, StartBackoff(verdict.delay, verdict.reason, verdict.ceiling)
 
 
 def _finish(

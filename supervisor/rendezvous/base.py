@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from anyio.abc import TaskStatus
+
 
 @dataclass(frozen=True)
 class RendezvousResult:
@@ -44,6 +46,14 @@ class Rendezvous(Protocol):
 
     backend: str
     run_id: str
+
+    async def connect(self) -> None:
+        """Reach the service once, so a bad endpoint fails before anything starts."""
+        ...
+
+    async def run(self, *, task_status: TaskStatus[None]) -> None:
+        """Background upkeep (leases) for as long as the supervisor runs."""
+        ...
 
     async def next_round(self, local_world_size: int) -> RendezvousResult:
         """Join the next round and wait until it completes; raise RendezvousError if it can't."""

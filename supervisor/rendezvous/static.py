@@ -11,6 +11,7 @@ from __future__ import annotations
 import socket
 
 import anyio
+from anyio.abc import TaskStatus
 
 from supervisor.rendezvous.base import BarrierResult, RendezvousResult
 
@@ -55,6 +56,12 @@ class StaticRendezvous:
             except OSError:
                 return free_port()
         return DEFAULT_MASTER_PORT
+
+    async def connect(self) -> None:
+        return None
+
+    async def run(self, *, task_status: TaskStatus[None]) -> None:
+        task_status.started()  # nothing to keep alive
 
     async def next_round(self, local_world_size: int) -> RendezvousResult:
         self._round += 1

@@ -1,0 +1,581 @@
+"""A small async etcd v3 client over etcd's JSON gRPC gateway, using aiohttp.
+
+Why not gRPC: grpcio's fork handlers crash children that the supervisor spawns (DESIGN 5),
+and the gateway (``/v3/kv/...``, ``/v3/lease/...``, ``/v3/watch``) needs no new dependency.
+Keys and values are base64 in the gateway's JSON and int64 fields arrive as strings.
+
+Every call is bounded: each attempt by ``timeout``; a connection failure (or an
+"unavailable" answer) moves on to the next endpoint, and when every endpoint failed the
+client retries with backoff for up to ``retry_window`` seconds (0: one pass) before raising
+``EtcdUnavailable``. It then sticks to the endpoint that answered. Passwords and tokens are
+never logged.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import ssl
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Literal
+
+import aiohttp
+import anyio
+
+logger = logging.getLogger(__name__)
+
+JsonDict = dict[str, Any]
+_RETRY_ELSEWHERE = frozenset({4, 14})  # gRPC DEADLINE_EXCEEDED, UNAVAILABLE: ask another member
+_UNAUTHENTICATED = 16
+_OPS = {"=": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
+
+
+class EtcdError(Exception):
+    """etcd refused a request or answered something this client does not understand."""
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint answered (connection refused, timeout, no leader)."""
+
+
+class EtcdLeaseNotFound(EtcdError):
+    """The lease expired or was revoked."""
+
+
+class EtcdCompacted(EtcdError):
+    """A watch asked for history that etcd has compacted away."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files for TLS: a CA to verify etcd, and an optional client certificate."""
+
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """An ``SSLContext`` verifying the server against ``cacert`` (or system CAs)."""
+        context = ssl.create_default_context(cafile=self.cacert)
+        if self.cert:
+            context.load_cert_chain(self.cert, self.key)
+        return context
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One key as etcd stores it."""
+
+    key: str
+    value: bytes
+    create_revision: int = 0
+    mod_revision: int = 0
+    version: int = 0
+    lease: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.value.decode()
+
+    @classmethod
+    def from_json(cls, data: JsonDict) -> KeyValue:
+        return cls(
+            key=_unb64(data.get("key", "")).decode(),
+            value=_unb64(data.get("value", "")),
+            create_revision=int(data.get("create_revision", 0)),
+            mod_revision=int(data.get("mod_revision", 0)),
+            version=int(data.get("version", 0)),
+            lease=int(data.get("lease", 0)),
+        )
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    type: Literal["PUT", "DELETE"]
+    kv: KeyValue
+
+
+@dataclass(frozen=True)
+class RangeResult:
+    kvs: tuple[KeyValue, ...]
+    revision: int
+
+
+@dataclass(frozen=True)
+class TxnResult:
+    succeeded: bool
+    revision: int
+    responses: tuple[JsonDict, ...]
+
+
+def _b64(text: str | bytes) -> str:
+    raw = text.encode() if isinstance(text, str) else text
+    return base64.b64encode(raw).decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def prefix_end(prefix: str) -> str:
+    """The ``range_end`` that selects every key starting with ``prefix`` (ASCII prefixes)."""
+    if not prefix:
+        return "\0"
+    return prefix[:-1] + chr(ord(prefix[-1]) + 1)
+
+
+def _key_range(key: str, prefix: bool) -> JsonDict:
+    body: JsonDict = {"key": _b64(key)}
+    if prefix:
+        body["range_end"] = _b64(prefix_end(key))
+    return body
+
+
+def compare(key: str, target: str, op: str, value: int | str, *, prefix: bool = False) -> JsonDict:
+    """A txn comparison. ``target`` is VERSION, CREATE, MOD, VALUE or LEASE; ``op`` one of
+    ``= != < >``. A missing key compares as version/create/mod 0. With ``prefix`` every key
+    under ``key`` must satisfy it."""
+    fields = {"VERSION": "version", "CREATE": "create_revision", "MOD": "mod_revision",
+              "VALUE": "value", "LEASE": "lease"}
+    body = _key_range(key, prefix)
+    body.update(target=target, result=_OPS[op])
+    body[fields[target]] = _b64(str(value)) if target == "VALUE" else str(value)
+    return body
+
+
+def put_op(key: str, value: str | bytes, *, lease: int = 0) -> JsonDict:
+    return {"request_put": {"key": _b64(key), "value": _b64(value), "lease": str(lease)}}
+
+
+def delete_op(key: str, *, prefix: bool = False) -> JsonDict:
+    return {"request_delete_range": _key_range(key, prefix)}
+
+
+def range_op(key: str, *, prefix: bool = False) -> JsonDict:
+    return {"request_range": _key_range(key, prefix)}
+
+
+class _EndpointDown(Exception):
+    """This endpoint failed in a way another endpoint may not (connection, timeout)."""
+
+
+def _raise_for_error(data: JsonDict) -> None:
+    error = data.get("error")
+    if error is None:
+        return
+    if isinstance(error, dict):  # streaming endpoints nest it: {"error": {"grpc_code": ...}}
+        code, message = error.get("grpc_code"), str(error.get("message", error))
+    else:
+        code, message = data.get("code"), str(data.get("message", error))
+    code = int(code) if code is not None else None
+    if code in _RETRY_ELSEWHERE:
+        raise _EndpointDown(message)
+    if "lease not found" in message:
+        raise EtcdLeaseNotFound(message, code)
+    raise EtcdError(message, code)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+class EtcdClient:
+    """An etcd v3 client over the JSON gateway with endpoint failover.
+
+    Use as ``async with EtcdClient([...]) as client:``; the HTTP session opens lazily and
+    ``aclose()`` releases it.
+    """
+
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = 5.0,
+        tls: TlsFiles | None = None,
+        user: str | None = None,
+        password: str | None = None,
+        retry_window: float = 0.0,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("at least one etcd endpoint is required")
+        self.endpoints = tuple(e.rstrip("/") for e in endpoints)
+        self.timeout = timeout
+        self.retry_window = retry_window
+        self._tls = tls
+        self._user = user
+        self._password = password
+        self._token: str | None = None
+        self._current = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"EtcdClient(endpoints={self.endpoints!r}, user={self._user!r})"
+
+    async def __aenter__(self) -> EtcdClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the HTTP session; later calls raise ``EtcdError``."""
+        self._closed = True
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise EtcdError("etcd client is closed")
+        if self._session is None:
+            try:
+                ssl_arg: ssl.SSLContext | bool = self._tls.ssl_context() if self._tls else True
+            except (OSError, ssl.SSLError) as exc:
+                raise EtcdError(f"cannot load the etcd TLS files: {exc}") from exc
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ssl_arg))
+        return self._session
+
+    def _rotation(self) -> Iterator[str]:
+        """Every endpoint once, starting with the preferred one."""
+        start = self._current
+        for i in range(len(self.endpoints)):
+            yield self.endpoints[(start + i) % len(self.endpoints)]
+
+    def _prefer(self, endpoint: str) -> None:
+        self._current = self.endpoints.index(endpoint)
+
+    def _avoid(self, endpoint: str) -> None:
+        """Start the next call after ``endpoint``: a member that just failed (say, a follower
+        holding requests until a new leader is elected) should not delay every call."""
+        if self.endpoints[self._current] == endpoint:
+            self._current = (self._current + 1) % len(self.endpoints)
+
+    async def _headers(self, endpoint: str) -> dict[str, str]:
+        if self._user is None:
+            return {}
+        if self._token is None:
+            body = {"name": self._user, "password": self._password or ""}
+            data = await self._post_once(endpoint, "/v3/auth/authenticate", body, {})
+            self._token = str(data["token"])
+        return {"Authorization": self._token}
+
+    async def _post_once(
+        self, endpoint: str, path: str, body: JsonDict, headers: dict[str, str]
+    ) -> JsonDict:
+        timeout = aiohttp.ClientTimeout(total=self.timeout)
+        try:
+            async with self._http().post(
+                endpoint + path, json=body, headers=headers, timeout=timeout
+            ) as resp:
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _EndpointDown(_describe(exc)) from exc
+        except ValueError as exc:
+            raise EtcdError(f"{endpoint}{path} answered something that is not JSON") from exc
+        if not isinstance(data, dict):
+            raise EtcdError(f"{endpoint}{path} answered unexpected JSON")
+        _raise_for_error(data)
+        return data
+
+    async def _post_authenticated(self, endpoint: str, path: str, body: JsonDict) -> JsonDict:
+        try:
+            return await self._post_once(endpoint, path, body, await self._headers(endpoint))
+        except EtcdError as exc:
+            if exc.code != _UNAUTHENTICATED or self._user is None:
+                raise
+        self._token = None  # expired or issued by another member: authenticate again, once
+        return await self._post_once(endpoint, path, body, await self._headers(endpoint))
+
+    async def call(self, path: str, body: JsonDict) -> JsonDict:
+        """POST ``body`` to ``path`` on the first endpoint that answers; the raw JSON reply.
+
+        A mutation that timed out on one member may have been applied before the next member
+        is asked; callers guard mutations with txn comparisons.
+        """
+        deadline, delay = time.monotonic() + self.retry_window, 0.05
+        while True:
+            failures: list[str] = []
+            for endpoint in self._rotation():
+                try:
+                    data = await self._post_authenticated(endpoint, path, body)
+                except _EndpointDown as exc:
+                    logger.debug("etcd %s%s failed: %s", endpoint, path, exc)
+                    failures.append(f"{endpoint}: {exc}")
+                    self._avoid(endpoint)
+                    continue
+                self._prefer(endpoint)
+                return data
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                waited = f" for {self.retry_window:g}s" if self.retry_window else ""
+                raise EtcdUnavailable(
+                    f"no etcd endpoint answered {path}{waited} ({'; '.join(failures)})")
+            await anyio.sleep(min(delay, remaining))  # all failed: back off, then a new pass
+            delay = min(delay * 2, 1.0)
+
+    async def get(self, key: str) -> KeyValue | None:
+        """The key, or None if it does not exist."""
+        result = await self.range(key)
+        return result.kvs[0] if result.kvs else None
+
+    async def range(self, key: str, *, prefix: bool = False) -> RangeResult:
+        """The key (or every key under the prefix) and the store revision read."""
+        data = await self.call("/v3/kv/range", _key_range(key, prefix))
+        kvs = tuple(KeyValue.from_json(kv) for kv in data.get("kvs", ()))
+        return RangeResult(kvs, int(data["header"]["revision"]))
+
+    async def put(self, key: str, value: str | bytes, *, lease: int = 0) -> int:
+        """Store the key; the new revision."""
+        data = await self.call("/v3/kv/put", put_op(key, value, lease=lease)["request_put"])
+        return int(data["header"]["revision"])
+
+    async def delete(self, key: str, *, prefix: bool = False) -> int:
+        """Delete the key (or prefix); how many keys were deleted."""
+        data = await self.call("/v3/kv/deleterange", _key_range(key, prefix))
+        return int(data.get("deleted", 0))
+
+    async def txn(
+        self, compares: Sequence[JsonDict], success: Sequence[JsonDict] = (),
+        failure: Sequence[JsonDict] = (),
+    ) -> TxnResult:
+        """Apply ``success`` if every comparison holds, else ``failure``, atomically."""
+        body = {"compare": list(compares), "success": list(success), "failure": list(failure)}
+        data = await self.call("/v3/kv/txn", body)
+        return TxnResult(
+            succeeded=bool(data.get("succeeded", False)),
+            revision=int(data["header"]["revision"]),
+            responses=tuple(data.get("responses", ())),
+        )
+
+    async def lease_grant(self, ttl: int) -> tuple[int, int]:
+        """A new lease; ``(lease_id, granted_ttl)`` (etcd may raise a too-small TTL)."""
+        data = await self.call("/v3/lease/grant", {"TTL": str(ttl)})
+        return int(data["ID"]), int(data["TTL"])
+
+    async def lease_keepalive(self, lease_id: int) -> int:
+        """Refresh the lease; its TTL. Raises ``EtcdLeaseNotFound`` once it has expired."""
+        data = await self.call("/v3/lease/keepalive", {"ID": str(lease_id)})
+        ttl = int(data.get("result", data).get("TTL", 0))
+        if ttl <= 0:
+            raise EtcdLeaseNotFound(f"lease {lease_id:x} expired")
+        return ttl
+
+    async def lease_revoke(self, lease_id: int) -> None:
+        """Revoke the lease, deleting every key bound to it."""
+        await self.call("/v3/lease/revoke", {"ID": str(lease_id)})
+
+    def watch(self, key: str, *, prefix: bool = False, start_revision: int) -> Watch:
+        """Watch the key (or prefix) from ``start_revision``: ``async with client.watch(...)
+        as w: async for events in w``. Reconnects to any endpoint, resuming after the last
+        event, for up to ``retry_window`` seconds per outage; then ``EtcdUnavailable``."""
+        return Watch(self, _key_range(key, prefix), start_revision)
+
+
+class Watch:
+    """One watch stream; yields batches of events, reconnecting across endpoints."""
+
+    def __init__(self, client: EtcdClient, key_range: JsonDict, start_revision: int) -> None:
+        self._client = client
+        self._key_range = key_range
+        self.next_revision = start_revision
+        self._resp: aiohttp.ClientResponse | None = None
+        self._buffer = b""
+
+    async def __aenter__(self) -> Watch:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._disconnect()
+
+    def __aiter__(self) -> Watch:
+        return self
+
+    async def __anext__(self) -> list[WatchEvent]:
+        while True:
+            if self._resp is None:
+                await self._connect_with_retries()
+            try:
+                events = await self._read_message()
+            except _EndpointDown as exc:
+                logger.info("etcd watch stream broke (%s); reconnecting", exc)
+                self._disconnect()
+                continue
+            if events:
+                self.next_revision = events[-1].kv.mod_revision + 1
+                return events
+
+    def _disconnect(self) -> None:
+        if self._resp is not None:
+            self._resp.close()
+            self._resp = None
+            self._buffer = b""
+
+    async def _connect_with_retries(self) -> None:
+        delay = 0.05
+        failures: list[str] = []
+        window = max(self._client.retry_window, self._client.timeout)
+        with anyio.move_on_after(window):
+            while True:
+                for endpoint in self._client._rotation():
+                    try:
+                        await self._connect(endpoint)
+                    except _EndpointDown as exc:
+                        failures.append(f"{endpoint}: {exc}")
+                        self._client._avoid(endpoint)
+                        continue
+                    self._client._prefer(endpoint)
+                    return
+                await anyio.sleep(delay)  # every member is down: back off before the next pass
+                delay = min(delay * 2, 1.0)
+        recent = "; ".join(failures[-len(self._client.endpoints):])
+        raise EtcdUnavailable(f"etcd watch could not reconnect for {window:g}s ({recent})")
+
+    async def _connect(self, endpoint: str) -> None:
+        body = {"create_request": {**self._key_range, "start_revision": str(self.next_revision)}}
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._client.timeout)
+        headers = await self._client._headers(endpoint)
+        try:
+            self._resp = await self._client._http().post(
+                endpoint + "/v3/watch", json=body, headers=headers, timeout=timeout
+            )
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise _EndpointDown(_describe(exc)) from exc
+
+    async def _read_line(self) -> bytes:
+        assert self._resp is not None
+        while b"\n" not in self._buffer:
+            try:
+                chunk = await self._resp.content.readany()
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise _EndpointDown(_describe(exc)) from exc
+            if not chunk:
+                raise _EndpointDown("stream closed")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+    async def _read_message(self) -> list[WatchEvent]:
+        try:
+            data = json.loads(await self._read_line())
+        except ValueError as exc:
+            raise EtcdError("etcd watch sent something that is not JSON") from exc
+        _raise_for_error(data)
+        result: JsonDict = data.get("result", {})
+        if result.get("canceled"):
+            self._raise_canceled(result)
+        return [
+            WatchEvent("DELETE" if ev.get("type") == "DELETE" else "PUT",
+                       KeyValue.from_json(ev["kv"]))
+            for ev in result.get("events", ())
+        ]
+
+    def _raise_canceled(self, result: JsonDict) -> None:
+        compact = int(result.get("compact_revision", 0))
+        if compact:
+            raise EtcdCompacted(f"watch start revision {self.next_revision} was compacted "
+                                f"(oldest kept: {compact})")
+        reason = str(result.get("cancel_reason", "no reason given"))
+        if "auth token" in reason:
+            self._client._token = None
+            raise _EndpointDown(reason)
+        raise EtcdError(f"etcd canceled the watch: {reason}")
+
+
+class PrefixView:
+    """A local copy of every key under a prefix, kept current by one watch.
+
+    Open with :func:`open_prefix_view`. ``kvs`` maps full keys to values as of
+    ``revision``; :meth:`wait_changed` returns after an update.
+    """
+
+    def __init__(self, client: EtcdClient, prefix: str) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.kvs: dict[str, KeyValue] = {}
+        self.revision = 0
+        self.version = 0  # bumped on every update; pass it to wait_changed
+        self._changed = anyio.Event()
+        self._error: EtcdError | None = None
+
+    async def refresh(self) -> None:
+        """Re-read the whole prefix now (after a write, so decisions see its effect)."""
+        result = await self.client.range(self.prefix, prefix=True)
+        if result.revision > self.revision:
+            self.kvs = {kv.key: kv for kv in result.kvs}
+            self.revision = result.revision
+            self._notify()
+
+    async def wait_changed(self, since: int | None = None) -> None:
+        """Wait until ``version`` moves past ``since`` (default: now); raise the watch's
+        error if it failed for good. Read ``version`` with the state you decided on, so an
+        update in between is not missed."""
+        since = self.version if since is None else since
+        while self.version <= since and self._error is None:
+            await self._changed.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _notify(self) -> None:
+        self.version += 1
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def _apply(self, events: list[WatchEvent]) -> None:
+        # One txn's events share a revision: filter against the revision before the batch.
+        floor = self.revision
+        fresh = [ev for ev in events if ev.kv.mod_revision > floor]
+        for ev in fresh:
+            if ev.type == "DELETE":
+                self.kvs.pop(ev.kv.key, None)
+            else:
+                self.kvs[ev.kv.key] = ev.kv
+            self.revision = ev.kv.mod_revision
+        if fresh:
+            self._notify()
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                async with self.client.watch(
+                    self.prefix, prefix=True, start_revision=self.revision + 1
+                ) as watch:
+                    async for events in watch:
+                        self._apply(events)
+            except EtcdCompacted:
+                await self.refresh()
+            except EtcdError as exc:
+                self._error = exc
+                self._notify()
+                return
+
+
+@asynccontextmanager
+async def open_prefix_view(client: EtcdClient, prefix: str) -> AsyncIterator[PrefixView]:
+    """Read ``prefix`` and follow it by watch until the block exits."""
+    view = PrefixView(client, prefix)
+    await view.refresh()
+    body_error: BaseException | None = None
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(view._follow)
+        try:
+            yield view
+        except BaseException as exc:  # re-raised below, not wrapped in an ExceptionGroup
+            body_error = exc
+        finally:
+            tg.cancel_scope.cancel()
+    if body_error is not None:
+        raise body_error
