@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import anyio
 import pytest
 
 from tests.conftest import REPO, supervisor
@@ -75,3 +76,54 @@ async def test_exception_traceback_is_root_cause(tmp_path: Path) -> None:
                              r"RuntimeError: injected failure at step 5")
     error_file = tmp_path / "logs" / "none" / "attempt_0" / "1" / "error.json"
     assert "Traceback" in error_file.read_text()
+
+
+async def test_hung_rank_is_caught_by_its_deadline_and_the_job_resumes(tmp_path: Path) -> None:
+    args = ["--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
+            "--log-dir", str(tmp_path / "logs"), TRAIN, *STEPS,
+            "--checkpoint-dir", str(tmp_path / "ck"), "--hang-at", "50", "--step-timeout", "3"]
+    async with supervisor(args) as sup:
+        await sup.out.expect(r"^rank 1 hanging at step 50$", timeout=120)
+        await sup.err.expect(r"deadline 'train_step' of local rank 1 .* expired", timeout=30)
+        resumed = await sup.out.expect(r"starting at step (\d+) \(restart 1\)", timeout=120)
+        assert int(resumed.group(1)) == 40  # the last checkpoint before the hang
+        loss = (await sup.out.expect(FINAL, timeout=240)).group(1)
+        assert await sup.wait() == 0
+    assert loss == torchrun_final_loss(tmp_path)
+
+
+@pytest.mark.etcd
+async def test_two_nodes_over_etcd_train_like_one_group(tmp_path: Path) -> None:
+    from tests.etcd_server import etcd_factory
+
+    (tmp_path / "etcd").mkdir()
+    with etcd_factory(tmp_path / "etcd") as factory:
+        server = factory.single()
+        losses: list[str] = []
+        async with anyio.create_task_group() as tg:
+
+            async def node(n: int) -> None:
+                args = ["--health-port", "0", "--nnodes", "2", "--nproc-per-node", "2",
+                        "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
+                        "--rdzv-id", "ddp2x2", "--rdzv-conf", "last_call_timeout=1,lease_ttl=5",
+                        "--log-dir", str(tmp_path / f"logs{n}"), TRAIN, *STEPS,
+                        "--checkpoint-dir", str(tmp_path / "ck")]
+                async with supervisor(args) as sup:
+                    if n == 0:
+                        losses.append((await sup.out.expect(
+                            r"^final loss (\d+\.\d+)", timeout=240)).group(1))
+                    assert await sup.wait(timeout=240) == 0
+
+            for n in range(2):
+                tg.start_soon(node, n)
+    # 4 ranks over 2 nodes: compare with torchrun running the same 4 ranks on one node
+    torchrun = Path(sys.executable).parent / "torchrun"
+    result = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "4", "--log-dir", str(tmp_path / "tr"), TRAIN,
+         *STEPS, "--checkpoint-dir", str(tmp_path / "tr-ck")],
+        capture_output=True, text=True, timeout=300,
+    )
+    m = re.search(FINAL, result.stdout, re.M)
+    assert m, result.stderr[-2000:]
+    expected = m.group(1)
+    assert losses == [expected]
