@@ -126,7 +126,7 @@ async def supervise(
     if command is None:
         check_runnable(settings, environ)
     try:
-        output = OutputPlan(settings.redirects, settings.tee, settings.local_world_size)
+        output = OutputPlan.from_settings(settings)
     except OutputSpecError as exc:
         raise ConfigError(str(exc)) from None
     run_id = resolve_run_id(settings)
@@ -168,6 +168,7 @@ async def supervise(
             if not embedded:
                 await tg.start(deliver_signals, send)
             await tg.start(run_watchdog_pings, notifier)
+            await tg.start(output.run)
             await tg.start(rendezvous.run)
             await tg.start(lag.run)
             if not settings.no_health:

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from supervisor import __version__
 from supervisor.config import ConfigError, Settings, build, from_environ, load_file, to_toml_dict
+from supervisor.workers.output import OutputPlan, OutputSpecError
 
 EXIT_USAGE = 2
 
@@ -129,6 +130,10 @@ def _check_config(argv: Sequence[str]) -> int:
     p.add_argument("file")
     ns = p.parse_args(list(argv))
     settings = build(load_file(ns.file), from_environ(os.environ))
+    try:
+        OutputPlan.from_settings(settings)  # --tee/--redirects/--local-ranks-filter values
+    except OutputSpecError as exc:
+        raise ConfigError(str(exc)) from None
     print(json.dumps(to_toml_dict(settings), indent=2, sort_keys=True))
     return 0
 

@@ -322,6 +322,8 @@ class Controller:
 
     async def _exit_barrier(self) -> None:
         assert self.round is not None
+        if self.attempt is not None:
+            await self.output.drain(self.attempt.dir_index)  # logs complete before success
         result = await self.rendezvous.exit_barrier(
             self.round, self.settings.exit_barrier_timeout
         )
@@ -406,7 +408,10 @@ class Controller:
         )
         global_rank = attempt.layout.rank_offset + local_rank
         argv = self.command(local_rank, global_rank, rank_dir)
-        stdout, stderr = self.output.open_rank(attempt.dir_index, rank_dir, local_rank, global_rank)
+        stdout, stderr = self.output.open_rank(
+            attempt.dir_index, rank_dir, local_rank, global_rank,
+            restart_count=attempt.layout.restart_count,
+        )
         spec = WorkerSpec(
             local_rank, global_rank, argv, env, stdout, stderr, cpus=self.cpus(local_rank)
         )

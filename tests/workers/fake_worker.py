@@ -36,6 +36,8 @@ def main() -> None:
                    help="on SIGUSR1, exit with this code (only ranks/attempts that fail)")
     p.add_argument("--say", action="append", default=[], help="print this line on stdout")
     p.add_argument("--say-err", action="append", default=[], help="print this line on stderr")
+    p.add_argument("--print-env", default=None,
+                   help="print 'env NAME=VALUE ...' for these comma-separated names")
     p.add_argument("--partial", default=None, help="after ready, write this without a newline")
     p.add_argument("--long-line", type=int, default=0,
                    help="after ready, on SIGUSR1 write N bytes with no newline; exit on the next")
@@ -70,6 +72,9 @@ def main() -> None:
         say(text)
     for text in args.say_err:
         os.write(2, (text + "\n").encode())
+    if args.print_env:
+        names = filter(None, args.print_env.split(","))
+        say("env " + " ".join(f"{n}={os.environ.get(n, '')}" for n in names))
     say(f"ready {rank} {os.getpid()} {restart}")
     if args.partial is not None:
         os.write(1, args.partial.encode())
