@@ -12,6 +12,7 @@ attempt was left running (an orphan) once the launcher is done or gone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -109,10 +110,8 @@ def one_run(kind: str, base: Path, i: int) -> Run:
         died = death_time(int(hung["pid"]), 10)  # type: ignore[call-overload]
         late = None if died is None else died - float(hung["deadline"])  # type: ignore[arg-type]
         restarted = wait_file(out / "1-0.json", 8) is not None
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
         orphans = int(alive(int(sibling["pid"])))  # type: ignore[call-overload]
         return Run(late, restarted, orphans)
     finally:
