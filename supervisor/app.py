@@ -55,6 +55,7 @@ from supervisor.watchdog.escalate import HangDump
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
 from supervisor.workers.guardian import Guardian, set_child_subreaper
 from supervisor.workers.output import OutputPlan, OutputSpecError
+from supervisor.workers.topology import cpus_for
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,19 @@ def check_runnable(settings: Settings, environ: Mapping[str, str]) -> None:
         raise ConfigError(f"training_script: no such file: {settings.training_script!r}")
 
 
+def check_devices(settings: Settings, environ: Mapping[str, str]) -> None:
+    """Virtual local rank hands each worker one entry of CUDA_VISIBLE_DEVICES: enough?"""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if not settings.virtual_local_rank or visible is None:
+        return
+    devices = [d for d in visible.split(",") if d.strip()]
+    if len(devices) < settings.local_world_size:
+        raise ConfigError(
+            f"virtual_local_rank: {settings.local_world_size} workers per node but "
+            f"CUDA_VISIBLE_DEVICES={visible!r} lists {len(devices)} device(s)"
+        )
+
+
 async def supervise(
     settings: Settings,
     environ: dict[str, str],
@@ -125,6 +139,9 @@ async def supervise(
     """
     if command is None:
         check_runnable(settings, environ)
+    check_devices(settings, environ)
+    if cpus is None:
+        cpus = cpus_for(settings)
     try:
         output = OutputPlan.from_settings(settings)
     except OutputSpecError as exc:
@@ -186,6 +203,8 @@ async def supervise(
             await _close_rendezvous(rendezvous, controller.state)
             tg.cancel_scope.cancel()
     finally:
+        send.close()  # an embedded run must leave no unclosed streams (ResourceWarning)
+        receive.close()
         with anyio.CancelScope(shield=True):
             await rendezvous.aclose()
         guardian.close()

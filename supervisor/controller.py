@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
@@ -198,20 +199,49 @@ class Controller:
     async def run(self, inbox: Inbox, outbox: Outbox) -> int:
         """Run until a final state; return the process exit code."""
         self._send = outbox
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            self._publish()
-            self._execute(sm.StartRendezvous())
-            async for item in inbox:
-                if isinstance(item, ForwardSignal | ReopenLogs):
-                    self._command(item)
-                    continue
-                self._apply(item)
-                if self.state.phase.final:
-                    break
-            tg.cancel_scope.cancel()
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                self._publish()
+                self._execute(sm.StartRendezvous())
+                async for item in inbox:
+                    if isinstance(item, ForwardSignal | ReopenLogs):
+                        self._command(item)
+                        continue
+                    self._apply(item)
+                    if self.state.phase.final:
+                        break
+                tg.cancel_scope.cancel()
+        finally:
+            await self._release_workers()
         self._summarise()
         return self.state.exit_code if self.state.exit_code is not None else 1
+
+    async def _release_workers(self) -> None:
+        """Leave no worker, zombie or pidfd behind (the embedded API outlives us).
+
+        After a success the workers exited by themselves and were never stopped; when
+        cancelled (an embedded caller gave up) they may still run. Either way the usual
+        stop (TERM, grace, KILL, sweep, reap) finishes them, at once for exited ones.
+        """
+        attempt = self.attempt
+        unreaped = [w for w in attempt.workers if not w.reaped] if attempt else []
+        if attempt is None or not unreaped:
+            return
+        with anyio.CancelScope(shield=True):
+            async with anyio.create_task_group() as tg:
+                for worker in unreaped:
+                    if not worker.exited.is_set():  # its monitor was cancelled
+                        tg.start_soon(_mark_exited, worker)
+                await stop_group(
+                    unreaped, signum=signal.SIGTERM, grace=self.settings.shutdown_timeout,
+                    kill_now=attempt.kill_now, sweep_adopted=self.sweep_adopted,
+                    exempt=self.exempt_pids,
+                )
+                tg.cancel_scope.cancel()
+            for worker in unreaped:
+                if worker.reaped and self.guardian is not None:
+                    self.guardian.forget(worker.pid)
 
     @property
     def launched(self) -> anyio.Event:
@@ -387,6 +417,8 @@ class Controller:
             "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
             pids={w.local_rank: w.pid for w in attempt.workers},
             master_addr=layout.master_addr, master_port=layout.master_port,
+            cpus={w.local_rank: list(w.spec.cpus) for w in attempt.workers if w.spec.cpus}
+            or None,
         )
         for observer in self.observers:
             observer.on_launch(attempt)
@@ -620,6 +652,12 @@ class Controller:
             at_wall=time.time() - (time.monotonic() - failure.at),
             error_file=error_file,
         )
+
+
+async def _mark_exited(worker: Worker) -> None:
+    """A stand-in monitor for ``stop_group`` once the real monitors are cancelled."""
+    await wait_exit(worker)
+    worker.exited.set()
 
 
 def _worker_view(worker: Worker, phase: sm.Phase) -> WorkerView:

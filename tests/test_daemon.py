@@ -217,7 +217,10 @@ def test_python_dash_m_is_the_same_program() -> None:
 
 async def test_local_rank_macro_is_substituted(tmp_path: Path) -> None:
     script = tmp_path / "echo.py"
-    script.write_text("import sys; print('args', *sys.argv[1:], flush=True)\n")
+    # one write per line: two workers share the console (no --tee), print() could interleave
+    script.write_text(
+        "import os, sys; os.write(1, ('args ' + ' '.join(sys.argv[1:]) + '\\n').encode())\n"
+    )
     args = [*BASE, "--nproc-per-node", "2", "--log-dir", str(tmp_path), str(script),
             "--shard=${local_rank}"]
     async with supervisor(args) as sup:

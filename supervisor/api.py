@@ -1,0 +1,427 @@
+"""The Python API: run a function or a command on this node's worker group.
+
+``launch(config, entrypoint, *args)`` is torch's ``elastic_launch(config, entrypoint)(*args)``
+for this supervisor, and ``alaunch`` is the same for async callers. Both run the whole
+supervisor in-process (``supervise(..., embedded=True)``): rendezvous, restarts, the
+watchdog and health behave exactly as for ``elastic-supervisor run``. Embedded, the
+supervisor installs no signal handlers and adopts no orphans: the host process keeps its
+own signals and children.
+
+- A **callable** runs in a fresh interpreter per rank (spawn semantics, see
+  ``supervisor.workers.bootstrap``); it and its arguments must be picklable (a top-level
+  function). String arguments get ``${local_rank}`` substituted. On success the result is
+  ``{global_rank: return value}`` for this node's ranks, read from the last attempt.
+- A **command** (a ``str``) is an executable run with ``args`` as its arguments, like
+  torch's binary entrypoints (``launch(cfg, sys.executable, "-u", "train.py")``); the
+  result is ``{global_rank: None}``.
+- If the group fails for good, ``WorkerGroupFailed`` (torch's ``ChildFailedError``) is
+  raised with every failed rank of the last attempt, the root cause first, its message and
+  traceback taken from the rank's error file.
+
+``start_method``: ``spawn`` (default) and ``forkserver`` both start each rank as a fresh
+interpreter (so ``forkserver`` behaves exactly like ``spawn``); ``fork`` is refused: forking
+a process that runs an event loop and threads (the child watcher, gRPC clients, CUDA) can
+deadlock or crash the child.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+import msgspec
+
+from supervisor.app import check_runnable, supervise
+from supervisor.config import ConfigError, Settings, build
+from supervisor.controller import CommandFor, settings_command
+from supervisor.workers import bootstrap
+from supervisor.workers.errorfile import read_error_file
+from supervisor.workers.topology import cpus_for
+
+logger = logging.getLogger(__name__)
+
+Entrypoint = Callable[..., Any] | str
+Config = Settings | Mapping[str, Any]
+BOOTSTRAP = "supervisor.workers.bootstrap"
+
+
+# ------------------------------------------------------------------------ failures
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """One failed rank of the last attempt (torch's ``ProcessFailure``)."""
+
+    global_rank: int
+    local_rank: int
+    pid: int | None
+    exit_code: int | None  # None when the rank died by a signal
+    signal: str | None
+    message: str  # "<Type>: <text>" from the error file, else what the supervisor saw
+    traceback: str
+    error_file: str
+    timestamp: float | None  # wall clock of the exit (or of the error file)
+
+    def describe(self) -> str:
+        how = f"exit code {self.exit_code}" if self.exit_code is not None else (
+            f"signal {self.signal}" if self.signal else "failed")
+        head = f"rank {self.global_rank} (local rank {self.local_rank}, pid {self.pid}): {how}"
+        return f"{head}: {self.message}" if self.message else head
+
+
+class WorkerGroupFailed(Exception):
+    """The worker group failed for good: torch's ``ChildFailedError`` for this supervisor.
+
+    ``failures`` maps global rank to ``RankFailure`` in the order the supervisor observed
+    them (the first is the root cause); it is empty when no worker failed by itself
+    (a rendezvous error, a deadline the watchdog enforced: see ``root_cause``).
+    """
+
+    def __init__(
+        self, name: str, failures: Mapping[int, RankFailure], *, exit_code: int, root_cause: str
+    ) -> None:
+        self.name = name
+        self.failures = dict(failures)
+        self.exit_code = exit_code
+        self.root_cause = root_cause
+        super().__init__(self.format_msg())
+
+    def get_first_failure(self) -> tuple[int, RankFailure] | None:
+        """The root cause's (global rank, failure), like ``ChildFailedError``'s."""
+        return next(iter(self.failures.items()), None)
+
+    @property
+    def message(self) -> str:
+        first = self.get_first_failure()
+        return first[1].message if first and first[1].message else self.root_cause
+
+    @property
+    def traceback(self) -> str:
+        first = self.get_first_failure()
+        return first[1].traceback if first else ""
+
+    def format_msg(self) -> str:
+        lines = [f"{self.name} FAILED (exit code {self.exit_code})",
+                 f"root cause: {self.root_cause or self.message}"]
+        for index, failure in enumerate(self.failures.values()):
+            lines.append(("first failure: " if index == 0 else "also failed: ")
+                         + failure.describe())
+            lines.append(f"  error file: {failure.error_file}")
+            if failure.traceback:
+                lines += ["  " + ln for ln in failure.traceback.rstrip().splitlines()]
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------ settings
+
+
+def launch_settings(config: Config, entrypoint: Entrypoint, args: Sequence[Any]) -> Settings:
+    """Validate ``config`` (``Settings`` or a mapping of settings) for this entrypoint."""
+    raw = (msgspec.structs.asdict(config) if isinstance(config, Settings)
+           else {str(k).replace("-", "_"): _value(str(k), v) for k, v in config.items()})
+    if isinstance(entrypoint, str):
+        what: dict[str, Any] = {
+            "training_script": entrypoint, "training_script_args": [_arg(a) for a in args],
+            "no_python": True, "module": False, "run_path": False,
+        }
+    elif callable(entrypoint):
+        what = {"training_script": entrypoint_name(entrypoint), "training_script_args": []}
+    else:
+        raise TypeError(f"entrypoint must be a callable or a command string, got {entrypoint!r}")
+    settings = build(raw, what)
+    if callable(entrypoint) and settings.start_method == "fork":
+        raise ConfigError(
+            "start_method: 'fork' is not supported for Python callables: forking a process "
+            "that runs an event loop and threads (child watcher, gRPC, CUDA) is unsafe; use "
+            "'spawn' (default) or 'forkserver', both start a fresh interpreter per rank"
+        )
+    return settings
+
+
+def entrypoint_name(entrypoint: Entrypoint) -> str:
+    """torch's ``_get_entrypoint_name``: a function's name or the command itself."""
+    if isinstance(entrypoint, str):
+        return entrypoint
+    module = getattr(entrypoint, "__module__", None)
+    name = getattr(entrypoint, "__qualname__", None) or getattr(entrypoint, "__name__", "")
+    return f"{module}.{name}" if module else str(name)
+
+
+_TEXT_FIELDS = frozenset(k for k, t in Settings.__annotations__.items() if t == "str")
+
+
+def _value(key: str, value: Any) -> Any:
+    """``nproc_per_node=4`` means ``"4"``: numbers are fine where the flag takes text."""
+    if key.replace("-", "_") in _TEXT_FIELDS and isinstance(value, int) and not isinstance(
+            value, bool):
+        return str(value)
+    return value
+
+
+def _arg(value: Any) -> str:
+    return os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+
+
+# ------------------------------------------------------------------------ ranks
+
+
+class RankDirs:
+    """Remembers where each local rank of the latest attempt runs (wraps a CommandFor)."""
+
+    def __init__(self, inner: CommandFor) -> None:
+        self.inner = inner
+        self.latest: dict[int, tuple[int, Path]] = {}  # local rank -> (global rank, rank dir)
+
+    def command(self, local_rank: int, global_rank: int, rank_dir: Path) -> list[str]:
+        self.latest[local_rank] = (global_rank, rank_dir)
+        return self.inner(local_rank, global_rank, rank_dir)
+
+    @property
+    def attempt_dir(self) -> Path | None:
+        dirs = [rank_dir.parent for _, rank_dir in self.latest.values()]
+        return dirs[-1] if dirs else None
+
+    def global_ranks(self) -> list[int]:
+        return sorted(g for g, _ in self.latest.values())
+
+
+class CallableJob:
+    """A private directory (0700) with the payload and one result file per rank and attempt.
+
+    Results live here rather than next to the logs: the parent unpickles them, so nobody
+    else may be able to write them. The directory is removed on close.
+    """
+
+    def __init__(self, fn: Callable[..., Any], args: Sequence[Any], python: str) -> None:
+        blob = _pickle_call(fn, args)
+        self.dir = Path(tempfile.mkdtemp(prefix="elastic-supervisor-call-"))
+        self.payload = self.dir / "payload.pkl"
+        _write_private(self.payload, pickle.dumps(_payload(fn, blob)))
+        self.python = python
+        self.ranks = RankDirs(self._command)
+
+    def __enter__(self) -> CallableJob:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def result_path(self, local_rank: int, rank_dir: Path) -> Path:
+        return self.dir / rank_dir.parent.name / f"{local_rank}.result"
+
+    def _command(self, local_rank: int, global_rank: int, rank_dir: Path) -> list[str]:
+        result = self.result_path(local_rank, rank_dir)
+        result.parent.mkdir(mode=0o700, exist_ok=True)
+        return [self.python, "-u", "-m", BOOTSTRAP, str(self.payload), str(result),
+                str(local_rank)]
+
+    def results(self) -> dict[int, Any]:
+        """``{global_rank: return value}`` of the latest attempt's ranks."""
+        sys.modules.setdefault("__mp_main__", sys.modules["__main__"])  # as multiprocessing
+        values: dict[int, Any] = {}
+        for local_rank, (global_rank, rank_dir) in sorted(self.ranks.latest.items()):
+            path = self.result_path(local_rank, rank_dir)
+            try:
+                values[global_rank] = pickle.loads(path.read_bytes())
+            except FileNotFoundError:
+                logger.warning("rank %d exited 0 without returning (sys.exit?): None",
+                               global_rank)
+                values[global_rank] = None
+        return dict(sorted(values.items()))
+
+
+def _pickle_call(fn: Callable[..., Any], args: Sequence[Any]) -> bytes:
+    if getattr(fn, "__module__", None) == "__main__" and _main_origin() == (None, None):
+        raise TypeError(
+            f"{entrypoint_name(fn)} is defined in an interactive __main__ that a fresh "
+            "interpreter cannot import; define it in a module or a script file"
+        )
+    try:
+        return pickle.dumps((fn, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise TypeError(
+            f"the entrypoint and its arguments must be picklable (a top-level function): {exc}"
+        ) from exc
+
+
+def _payload(fn: Callable[..., Any], blob: bytes) -> dict[str, Any]:
+    # re-import the parent's __main__ in the child only when the call refers to it
+    name, path = _main_origin() if b"__main__" in blob else (None, None)
+    return {"version": bootstrap.PAYLOAD_VERSION, "sys_path": list(sys.path), "main_name": name,
+            "main_path": path, "call": blob}
+
+
+def _main_origin() -> tuple[str | None, str | None]:
+    """(module name, file path) the parent's ``__main__`` can be re-imported from."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    if name:
+        # like multiprocessing: a package's __main__ is never re-run in the child
+        return (None, None) if name == "__main__" or name.endswith(".__main__") else (name, None)
+    path = getattr(main, "__file__", None)
+    return (None, os.path.abspath(path)) if path else (None, None)
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+# ------------------------------------------------------------------------ failure report
+
+
+def group_failure(
+    name: str, exit_code: int, settings: Settings, ranks: RankDirs
+) -> WorkerGroupFailed:
+    """Build the exception from the event log and error files of the last attempt."""
+    attempt_dir = ranks.attempt_dir
+    if attempt_dir is None:
+        return WorkerGroupFailed(name, {}, exit_code=exit_code,
+                                 root_cause=f"no worker group was started (exit code {exit_code})")
+    events_path = Path(settings.event_log) if settings.event_log else (
+        attempt_dir.parent / "events.jsonl")
+    records = _attempt_records(read_events(events_path), attempt_dir)
+    failures = (_failures_from_events(records, ranks.latest) if records
+                else _failures_from_error_files(ranks.latest))
+    root = next((str(r["root_cause"]) for r in reversed(records)
+                 if r.get("event") == "finished" and r.get("root_cause")), "")
+    first = next(iter(failures.values()), None)
+    return WorkerGroupFailed(name, failures, exit_code=exit_code,
+                             root_cause=root or (first.describe() if first else
+                                                 f"exit code {exit_code}"))
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The event log's objects; unreadable files and lines are skipped (never raises)."""
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    records: list[dict[str, Any]] = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def _attempt_records(records: list[dict[str, Any]], attempt_dir: Path) -> list[dict[str, Any]]:
+    """The events from the start of the attempt in ``attempt_dir`` to the end of the file."""
+    for index in range(len(records) - 1, -1, -1):
+        record = records[index]
+        if record.get("event") == "group_started" and record.get("dir") == str(attempt_dir):
+            return records[index:]
+    return []
+
+
+def _failures_from_events(
+    records: list[dict[str, Any]], ranks: Mapping[int, tuple[int, Path]]
+) -> dict[int, RankFailure]:
+    """Ranks that failed before the supervisor began to stop the group, in order."""
+    failures: dict[int, RankFailure] = {}
+    for record in records:
+        if record.get("event") == "group_stopping":
+            break
+        if record.get("event") != "worker_exited" or record.get("exit_code") == 0:
+            continue
+        local_rank = int(record.get("local_rank", -1))
+        if local_rank not in ranks:
+            continue
+        global_rank, rank_dir = ranks[local_rank]
+        failures[global_rank] = _rank_failure(local_rank, global_rank, rank_dir, record)
+    return failures
+
+
+def _failures_from_error_files(ranks: Mapping[int, tuple[int, Path]]) -> dict[int, RankFailure]:
+    """Without an event log: every rank that left an error file."""
+    failures: dict[int, RankFailure] = {}
+    for local_rank, (global_rank, rank_dir) in sorted(ranks.items()):
+        if (rank_dir / "error.json").exists():
+            failures[global_rank] = _rank_failure(local_rank, global_rank, rank_dir, {})
+    return failures
+
+
+def _rank_failure(
+    local_rank: int, global_rank: int, rank_dir: Path, record: Mapping[str, Any]
+) -> RankFailure:
+    error_file = rank_dir / "error.json"
+    report = read_error_file(error_file)
+    code = record.get("exit_code")
+    return RankFailure(
+        global_rank=global_rank, local_rank=local_rank,
+        pid=record.get("pid") if isinstance(record.get("pid"), int) else None,
+        exit_code=code if isinstance(code, int) else None,
+        signal=str(record["signal"]) if record.get("signal") else None,
+        message=report.message.strip() if report else str(record.get("message") or ""),
+        traceback=report.traceback if report else "",
+        error_file=str(error_file),
+        timestamp=_float(record.get("time")) or (report.timestamp if report else None),
+    )
+
+
+def _float(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) else None
+
+
+# ------------------------------------------------------------------------ entry points
+
+
+async def alaunch(config: Config, entrypoint: Entrypoint, *args: Any) -> dict[int, Any]:
+    """Run ``entrypoint`` on this node's worker group under the supervisor; see module doc.
+
+    Returns ``{global_rank: value}`` for this node's ranks; raises ``WorkerGroupFailed``
+    when the group fails for good and ``ConfigError`` for bad settings.
+    """
+    if bootstrap.importing_parent_main():
+        raise RuntimeError(
+            "supervisor.launch() was called while a rank was importing the launching script: "
+            "guard the launch with `if __name__ == \"__main__\":` (spawn semantics)"
+        )
+    settings = launch_settings(config, entrypoint, args)
+    environ = dict(os.environ)
+    cpus = cpus_for(settings)
+    name = entrypoint_name(entrypoint)
+    if isinstance(entrypoint, str):
+        check_runnable(settings, environ)
+        ranks = RankDirs(settings_command(settings, environ))
+        code = await supervise(settings, environ, command=ranks.command, cpus=cpus,
+                               embedded=True)
+        if code != 0:
+            raise group_failure(name, code, settings, ranks)
+        return dict.fromkeys(ranks.global_ranks())
+    python = environ.get("PYTHON_EXEC", sys.executable)
+    with CallableJob(entrypoint, args, python) as job:
+        code = await supervise(settings, environ, command=job.ranks.command, cpus=cpus,
+                               embedded=True)
+        if code != 0:
+            raise group_failure(name, code, settings, job.ranks)
+        return job.results()
+
+
+def launch(config: Config, entrypoint: Entrypoint, *args: Any) -> dict[int, Any]:
+    """Blocking ``alaunch`` (runs its own event loop: call it where none is running)."""
+    result: dict[int, Any] = anyio.run(_alaunch_args, config, entrypoint, args)
+    return result
+
+
+async def _alaunch_args(config: Config, entrypoint: Entrypoint, args: tuple[Any, ...]
+                        ) -> dict[int, Any]:
+    return await alaunch(config, entrypoint, *args)
