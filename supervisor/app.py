@@ -8,10 +8,12 @@ launches the first group; systemd hears READY=1 only after that.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import uuid
@@ -38,8 +40,6 @@ from supervisor.core.envs import default_omp_threads
 from supervisor.core.snapshot import ProgressTable, Snapshot
 from supervisor.events import EventLog
 from supervisor.health.looplag import LoopLag
-from supervisor.health.metrics import Metrics
-from supervisor.health.server import serve_health
 from supervisor.logsetup import configure_logging
 from supervisor.rendezvous.base import Rendezvous, RendezvousError
 from supervisor.rendezvous.static import StaticRendezvous
@@ -156,7 +156,6 @@ async def supervise(
         raise ConfigError(f"rdzv_endpoint: {exc}") from None
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
     reporter = StatusReporter(notifier)
-    metrics = Metrics()
     lag = LoopLag()
     progress = ProgressTable()
     runtime = RuntimeDir.create(environ)
@@ -165,7 +164,7 @@ async def supervise(
         set_child_subreaper()
     guardian = Guardian()
     hub = SnapshotHub(_initial_snapshot(settings, run_id))
-    observers: list[Observer] = [metrics, _StopNotice(reporter)]
+    observers: list[Observer] = [_StopNotice(reporter)]
     controller = Controller(
         settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
         output=output, environ=worker_base_env(environ, settings.local_world_size),
@@ -188,15 +187,15 @@ async def supervise(
             await tg.start(output.run)
             await tg.start(rendezvous.run)
             await tg.start(lag.run)
-            if not settings.no_health:
-                host, port = await tg.start(
-                    serve_health, settings.health_host, settings.health_port,
-                    lambda: hub.current, progress, metrics, lag.current,
-                )
-                logger.info("health endpoint on http://%s:%d", host, port)
-                events.emit("health_listening", host=host, port=port)
+            watchdog = None
             if timer_file is not None:
-                await start_watchdog(tg, settings, controller, timer_file, send, metrics)
+                watchdog = await start_watchdog(tg, settings, controller, timer_file, send)
+            if not settings.no_health:
+                sock = bind_health_socket(settings.health_host, settings.health_port)
+                port = sock.getsockname()[1]
+                logger.info("health endpoint on http://%s:%d", settings.health_host, port)
+                events.emit("health_listening", host=settings.health_host, port=port)
+                tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog)
             tg.start_soon(publish_status, hub, reporter)
             code = await controller.run(receive, send)
             reporter.publish(hub.current)
@@ -234,14 +233,57 @@ def _timer_file(settings: Settings, runtime_dir: Path) -> Path:
     return runtime_dir / "watchdog" / "timer.fifo"
 
 
+def bind_health_socket(host: str, port: int) -> socket.socket:
+    """Bind and listen now (port 0 picks one): probes queue in the backlog until served."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        message = f"health_port: cannot listen on {host}:{port}: {exc.strerror}"
+        raise ConfigError(message) from None
+    sock.setblocking(False)
+    return sock
+
+
+SERVE_DEFER = 0.5  # seconds the health server may wait for the first launch before serving
+
+
+async def serve_when_launched(
+    tg: TaskGroup,
+    controller: Controller,
+    sock: socket.socket,
+    lag: LoopLag,
+    watchdog: Watchdog | None,
+) -> None:
+    """Serve HTTP once the first group is launched (or SERVE_DEFER passed, for a long
+    rendezvous): importing aiohttp and prometheus-client costs ~100 ms, which would
+    otherwise delay every worker's start. The socket is already bound and listening."""
+    with anyio.move_on_after(SERVE_DEFER):
+        await controller.launched.wait()
+    from supervisor.health.metrics import Metrics
+    from supervisor.health.server import serve_health
+
+    metrics = Metrics(started=controller.started)
+    controller.attach_late(metrics)
+    if watchdog is not None:
+        watchdog.metrics = metrics
+    serve = functools.partial(serve_health, sock=sock)
+    await tg.start(
+        serve, "", 0, lambda: controller.hub.current, controller.progress, metrics, lag.current
+    )
+
+
 async def start_watchdog(
     tg: TaskGroup,
     settings: Settings,
     controller: Controller,
     timer_file: Path,
     outbox: Outbox,
-    metrics: Metrics,
-) -> None:
+) -> Watchdog:
     """Open the deadline FIFO and start the D-state check; both report into the inbox."""
 
     def dump_path(local_rank: int, pid: int) -> Path | None:
@@ -259,7 +301,6 @@ async def start_watchdog(
         progress=controller.progress,
         on_expired=outbox.send,
         config=config,
-        metrics=metrics,
     )
     path = await tg.start(watchdog.run)
     dstate = DStateMonitor(
@@ -268,6 +309,7 @@ async def start_watchdog(
     await tg.start(dstate.run)
     controller.observers.append(_WatchdogHooks(watchdog, dstate))
     logger.info("deadline FIFO at %s", path)
+    return watchdog
 
 
 class _WatchdogHooks:

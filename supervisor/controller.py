@@ -170,6 +170,10 @@ class Controller:
         self.cpus = cpus or (lambda local_rank: None)
         self.progress = progress or ProgressTable()
         self.stop_guard = stop_guard
+        self.started = time.monotonic()
+        # transitions so far, for an observer that attaches late (the metrics, created
+        # after the first launch so their imports do not delay it); None once replayed
+        self._replay: list[tuple[sm.State, sm.State, sm.Event, sm.Decision]] | None = []
         base, top = settings.backoff
         self.policy = RestartPolicy(
             max_restarts=settings.max_restarts,
@@ -243,6 +247,13 @@ class Controller:
                 if worker.reaped and self.guardian is not None:
                     self.guardian.forget(worker.pid)
 
+    def attach_late(self, observer: Observer) -> None:
+        """Add an observer and replay to it every transition made so far."""
+        for step in self._replay or ():
+            observer.on_transition(*step)
+        self._replay = None
+        self.observers.append(observer)
+
     @property
     def launched(self) -> anyio.Event:
         """Set once the first worker group has been launched (for READY=1)."""
@@ -271,6 +282,8 @@ class Controller:
                              restart_count=new.restart_count)
         for observer in self.observers:
             observer.on_transition(old, new, event, decision)
+        if self._replay is not None:
+            self._replay.append((old, new, event, decision))
         self._publish()
         self._execute(decision)
 

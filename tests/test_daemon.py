@@ -129,6 +129,23 @@ async def test_supervisor_sigkill_leaves_no_worker_or_grandchild(tmp_path: Path)
         await wait_dead(workers + grandchildren, timeout=1.0)
 
 
+async def test_descendants_that_left_the_group_die_before_the_next_attempt(
+    tmp_path: Path,
+) -> None:
+    pidfile = tmp_path / "gc"
+    args = [*BASE, "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"), FAKE_WORKER,
+            "--grandchild", str(pidfile), "--grandchild-session", "--exit", "1",
+            "--fail-attempts", "1"]
+    async with supervisor(args) as sup:
+        await sup.out.expect(r"^ready 0 \d+ 0$")
+        grandchild = int((pidfile.parent / "gc.0").read_text())
+        await sup.out.expect(r"^ready 0 \d+ 1$")
+        # the first attempt's grandchild (own session, parent gone) was swept by the stop
+        assert not pid_alive(grandchild)
+        sup.signal(signal.SIGTERM)
+        assert await sup.wait() == 143
+
+
 async def test_sigusr1_is_forwarded_and_nothing_else_happens(tmp_path: Path) -> None:
     args = [*BASE, "--nproc-per-node", "2", "--log-dir", str(tmp_path), FAKE_WORKER, "--trap", "1"]
     async with supervisor(args) as sup:

@@ -44,11 +44,14 @@ class Metrics:
 
     content_type = CONTENT_TYPE_PLAIN_0_0_4
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, *, started: float | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._clock = clock
-        # the supervisor starts in RENDEZVOUS: the first round is timed from here
-        self._rendezvous_since = clock()
+        # the supervisor starts in RENDEZVOUS: the first round is timed from its start
+        # (``started``, when the metrics are created later and replay the transitions)
+        self._rendezvous_since = clock() if started is None else started
         self._make_run_counters()
         self._make_watchdog_counters()
         self._make_state_gauges()

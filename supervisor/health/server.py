@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
@@ -174,11 +175,13 @@ async def serve_health(
     lag: LagSource,
     *,
     max_loop_lag: float = health.DEFAULT_MAX_LOOP_LAG,
+    sock: socket.socket | None = None,
     task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the health endpoints until cancelled; started with the bound ``(host, port)``.
 
     ``port`` 0 picks a free port; the one bound is logged and passed to ``started``.
+    ``sock``, if given, is an already bound and listening socket to serve instead.
     """
     app = make_app(snapshots, progress, metrics, lag, max_loop_lag=max_loop_lag)
     runner = web.AppRunner(
@@ -190,8 +193,12 @@ async def serve_health(
     )
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site: web.BaseSite = (
+            web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
+        )
         await site.start()
+        if sock is not None:
+            host, port = sock.getsockname()[:2]
         bound = _bound_port(runner, port)
         logger.info("health server listening on http://%s:%d", host, bound)
         task_status.started((host, bound))

@@ -22,6 +22,7 @@ import anyio.to_thread
 import psutil
 
 from supervisor.core.state import WorkerUnhealthy
+from supervisor.workers.proctree import children
 
 logger = logging.getLogger(__name__)
 
@@ -90,19 +91,18 @@ def sample_d_state(workers: Mapping[int, int]) -> dict[int, DSample]:
 
 
 def _ranks_of_descendants(workers: Mapping[int, int]) -> dict[int, int]:
-    """Every live process that is a worker or descends from one, mapped to its rank."""
-    children: dict[int, list[int]] = {}
-    for proc in psutil.process_iter(["ppid"]):
-        ppid = proc.info["ppid"]
-        if ppid is not None:
-            children.setdefault(ppid, []).append(proc.pid)
+    """Every live process that is a worker or descends from one, mapped to its rank.
+
+    Walks each worker's tree through /proc/PID/task/*/children: a few reads per worker
+    instead of a scan of every process on the host.
+    """
     rank_of: dict[int, int] = {}
     stack = list(workers.items())
     while stack:
         pid, rank = stack.pop()
         if pid not in rank_of:
             rank_of[pid] = rank
-            stack.extend((child, rank) for child in children.get(pid, ()))
+            stack.extend((child, rank) for child in children(pid))
     return rank_of
 
 

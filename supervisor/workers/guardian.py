@@ -11,12 +11,29 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 import subprocess
 import sys
 
 logger = logging.getLogger(__name__)
 
-_GUARDIAN = r"""
+# The guardian needs only builtins: a POSIX shell costs ~1.6 MB of memory against ~9 MB for
+# a Python interpreter. Groups are kept as " 12 34 " and removed by pattern, never by pid
+# arithmetic; on EOF every group still registered gets SIGKILL.
+_GUARDIAN_SH = r"""
+trap '' INT TERM HUP
+groups=' '
+while read -r op pgid; do
+  case "$pgid" in ''|*[!0-9]*) continue ;; esac
+  case "$op" in
+    +) groups="$groups$pgid " ;;
+    -) case "$groups" in *" $pgid "*) groups="${groups%% $pgid *} ${groups#* $pgid }" ;; esac ;;
+  esac
+done
+for pgid in $groups; do kill -9 -"$pgid" 2>/dev/null; done
+"""
+
+_GUARDIAN_PY = r"""
 import os, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -39,8 +56,10 @@ class Guardian:
     """Keeps the guardian process informed of live worker process groups."""
 
     def __init__(self) -> None:
+        shell = shutil.which("sh")
+        argv = [shell, "-c", _GUARDIAN_SH] if shell else [sys.executable, "-S", "-c", _GUARDIAN_PY]
         self._proc = subprocess.Popen(
-            [sys.executable, "-S", "-c", _GUARDIAN],
+            argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             start_new_session=True,

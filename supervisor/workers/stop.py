@@ -1,20 +1,23 @@
 """Stopping a worker group: signal -> grace -> SIGKILL -> sweep descendants -> reap.
 
 One shielded function does the whole escalation, so a cancelled caller never leaves a
-half-stopped group behind. Workers stay unreaped (zombies) until the sweep is done, so
-their process group ids cannot be recycled while we signal them.
+half-stopped group behind. Signals go out first; the tree is looked up after, from
+``/proc/PID/task/*/children`` (no scan of every process). Workers stay unreaped (zombies)
+until the sweep is done, so their process group ids cannot be recycled while we signal
+them, and every other process is signalled through a pidfd taken when it was found.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 from collections.abc import Iterable, Sequence
 
 import anyio
-import psutil
 
+from supervisor.workers.proctree import children, descendants, parent_of, reap_children
 from supervisor.workers.spawn import Worker
 
 logger = logging.getLogger(__name__)
@@ -22,55 +25,61 @@ logger = logging.getLogger(__name__)
 KILL_WAIT = 5.0  # seconds to wait for SIGKILLed workers before giving up on them
 
 
-def descendants(pids: Iterable[int]) -> list[psutil.Process]:
-    """Every live descendant of the given pids (grandchildren included)."""
-    found: dict[int, psutil.Process] = {}
-    for pid in pids:
+class ProcessTree:
+    """Descendants found so far, each pinned by a pidfd (so a recycled pid is never hit)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+        self._parents: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._fds)
+
+    def add(self, pid: int, parent: int) -> None:
+        if pid in self._fds:
+            return
         try:
-            for child in psutil.Process(pid).children(recursive=True):
-                found[child.pid] = child
-        except psutil.Error:
-            continue
-    return list(found.values())
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return
+        if parent_of(pid) != parent:  # gone and recycled between the read and the open
+            os.close(fd)
+            return
+        self._fds[pid] = fd
+        self._parents[pid] = parent
 
+    def add_descendants(self, roots: Iterable[int]) -> None:
+        for pid, parent in descendants(roots):
+            self.add(pid, parent)
 
-def adopted_orphans(exempt: Iterable[int]) -> list[psutil.Process]:
-    """Processes reparented to us (we are a child subreaper) that are not ours to keep."""
-    keep = set(exempt)
-    try:
-        children = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return []
-    return [c for c in children if c.pid not in keep]
+    def add_adopted(self, keep: set[int]) -> None:
+        """Processes reparented to us (a child subreaper) that are not ours to keep."""
+        me = os.getpid()
+        adopted = [pid for pid in children(me) if pid not in keep]
+        for pid in adopted:
+            self.add(pid, me)
+        self.add_descendants(adopted)
 
+    def signal(self, signum: int) -> None:
+        for fd in self._fds.values():
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(fd, signum)
 
-def kill_processes(procs: Iterable[psutil.Process], signum: int = signal.SIGKILL) -> int:
-    """Signal each process if it is still the same process (psutil checks create time)."""
-    count = 0
-    for proc in procs:
-        try:
-            proc.send_signal(signum)
-            count += 1
-        except psutil.Error:
-            continue
-    return count
+    async def wait_dead(self, timeout: float) -> None:
+        """Wait (bounded) until every process in the tree has exited."""
+        with anyio.move_on_after(timeout):
+            for fd in self._fds.values():
+                await anyio.wait_readable(fd)  # a pidfd is readable once the process exits
 
+    def reap_ours(self) -> None:
+        """Collect the zombies of those that were reparented to us."""
+        me = os.getpid()
+        reap_children(pid for pid in self._fds if parent_of(pid) == me)
 
-def reap_adopted(exempt: Iterable[int]) -> None:
-    """Collect zombies of adopted orphans, by pid only (never waitpid(-1): that could
-    reap a worker whose exit status the monitor has not read yet)."""
-    keep = set(exempt)
-    try:
-        children = psutil.Process().children()
-    except psutil.Error:
-        return
-    for child in children:
-        if child.pid in keep:
-            continue
-        try:
-            os.waitpid(child.pid, os.WNOHANG)
-        except ChildProcessError:
-            continue
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 async def stop_group(
@@ -83,28 +92,39 @@ async def stop_group(
     exempt: Iterable[int] = (),
 ) -> None:
     """Stop every worker and every descendant; return once all are reaped."""
+    keep = {w.pid for w in workers} | set(exempt)
+    tree = ProcessTree()
     with anyio.CancelScope(shield=True):
-        tree = descendants(w.pid for w in workers if w.poll_exit() is None)
-        for worker in workers:
-            worker.signal_group(signum)
-        kill_processes(tree, signum)
-        await _wait_all_or(workers, grace, kill_now)
-        # the rest of the tree may have changed during the grace: look again
-        tree = descendants(w.pid for w in workers if w.poll_exit() is None) + tree
-        for worker in workers:
-            worker.signal_group(signal.SIGKILL)
-        kill_processes(tree)
-        await _wait_all_or(workers, KILL_WAIT, None)
-        keep = {w.pid for w in workers} | set(exempt)
-        if sweep_adopted:
-            kill_processes(adopted_orphans(keep))
-        for worker in workers:
-            if worker.poll_exit() is not None:
-                worker.reap()
-            else:  # uninterruptible sleep: SIGKILL is pending until the kernel lets go
-                logger.error("worker pid %d survived SIGKILL for %.0f s", worker.pid, KILL_WAIT)
-        if sweep_adopted:
-            reap_adopted(keep)
+        try:
+            for worker in workers:
+                worker.signal_group(signum)
+            _collect(tree, workers, keep, sweep_adopted)
+            tree.signal(signum)
+            await _wait_all_or(workers, grace, kill_now)
+            for worker in workers:
+                worker.signal_group(signal.SIGKILL)
+            _collect(tree, workers, keep, sweep_adopted)  # anything started during the grace
+            tree.signal(signal.SIGKILL)
+            await _wait_all_or(workers, KILL_WAIT, None)
+            await tree.wait_dead(KILL_WAIT)
+            _reap(workers)
+            tree.reap_ours()
+        finally:
+            tree.close()
+
+
+def _collect(tree: ProcessTree, workers: Sequence[Worker], keep: set[int], adopted: bool) -> None:
+    tree.add_descendants(w.pid for w in workers if not w.reaped)
+    if adopted:
+        tree.add_adopted(keep)
+
+
+def _reap(workers: Sequence[Worker]) -> None:
+    for worker in workers:
+        if worker.poll_exit() is not None:
+            worker.reap()
+        else:  # uninterruptible sleep: SIGKILL is pending until the kernel lets go
+            logger.error("worker pid %d survived SIGKILL for %.0f s", worker.pid, KILL_WAIT)
 
 
 async def _wait_all_or(

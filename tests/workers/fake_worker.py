@@ -28,6 +28,10 @@ def main() -> None:
     p.add_argument("--hang", action="store_true", help="sleep forever after ready")
     p.add_argument("--ignore-term", action="store_true", help="ignore SIGTERM")
     p.add_argument("--grandchild", default=None, help="spawn a sleeping grandchild; pid to file")
+    p.add_argument("--grandchild-session", action="store_true",
+                   help="the grandchild leaves our session (setsid), as a daemon would")
+    p.add_argument("--chatter", type=float, default=0.0,
+                   help="after ready, print 'chatter RANK N' every this many seconds forever")
     p.add_argument("--dump-env", default=None, help="write env JSON to DIR/<rank>.json")
     p.add_argument("--trap", default=None, help="on SIGUSR1/2 print 'got SIGNAME'")
     p.add_argument("--error-message", default=None, help="write a torch-style error file")
@@ -55,7 +59,8 @@ def main() -> None:
             json.dump(dict(os.environ), f)
         os.replace(path + ".tmp", path)
     if args.grandchild:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                                 start_new_session=args.grandchild_session)
         with open(f"{args.grandchild}.{rank}", "w") as f:
             f.write(str(child.pid))
     if args.long_line:
@@ -84,6 +89,9 @@ def main() -> None:
         if args.error_message:
             write_error_file(args.error_message)
         sys.exit(args.exit)
+    for i in range(sys.maxsize if args.chatter else 0):
+        say(f"chatter {rank} {i}")
+        time.sleep(args.chatter)
     if args.hang or args.ignore_term or args.trap or args.grandchild or args.usr1_exit is not None:
         while True:
             time.sleep(3600)
