@@ -1,0 +1,175 @@
+"""Health endpoint latency under load, and restart latency with and without that load.
+
+A real supervisor runs 8 workers that stream output through ``--tee 3`` (each prints
+``--line-rate`` lines/s, console to a file). Rank 0 crashes every ``--crash-every`` seconds
+and the group restarts; its replacement records when it came up. Two runs:
+
+1. unloaded: restarts only -> crash -> restarted-rank-0 latency;
+2. loaded: the same, while ``/healthz`` gets ``--rate`` requests/s (open loop, see
+   health_load.py) -> HTTP p50/p99/errors and the restart latency under load.
+
+Targets (issue 5): p99 <= 10 ms, 0 errors, loaded restart latency within 1.5x unloaded.
+torchrun has no health server (its health check is a stub), so there is no torchrun
+column here. The load client runs on the same 2 cores as the supervisor and its workers.
+
+    python benchmarks/health_under_load.py --duration 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from health_load import drive, report  # noqa: E402
+
+WORKER = r"""
+import os, sys, time
+out, line_rate, crash_every = sys.argv[1], float(sys.argv[2]), float(sys.argv[3])
+rank = int(os.environ["RANK"]); restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if rank == 0:
+    with open(os.path.join(out, f"up_{restart}"), "w") as f:
+        f.write(repr(time.monotonic()))
+start = time.monotonic()
+i = 0
+while True:
+    i += 1
+    sys.stdout.write(f"rank {rank} restart {restart} line {i} " + "x" * 60 + "\n")
+    sys.stdout.flush()
+    if rank == 0 and time.monotonic() - start >= crash_every:
+        with open(os.path.join(out, f"crash_{restart}"), "w") as f:
+            f.write(repr(time.monotonic()))
+        os._exit(1)
+    time.sleep(1.0 / line_rate)
+"""
+
+
+def start_supervisor(
+    base: Path, args: argparse.Namespace, crash_every: float
+) -> tuple[subprocess.Popen[bytes], int]:
+    out = base / "out"
+    out.mkdir()
+    (base / "worker.py").write_text(WORKER)
+    console = open(base / "console.log", "wb")  # noqa: SIM115 - the child owns it
+    stderr = open(base / "supervisor.log", "wb")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "supervisor", "run", "--health-port", "0",
+           "--nproc-per-node", "8", "--tee", "3", "--max-restarts", "1000",
+           "--log-dir", str(base / "logs"), str(base / "worker.py"), str(out),
+           str(args.line_rate), str(crash_every)]
+    proc = subprocess.Popen(cmd, stdout=console, stderr=stderr, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        log = (base / "supervisor.log").read_bytes()
+        m = re.search(rb"health endpoint on http://[^:]+:(\d+)", log)
+        if m:
+            return proc, int(m.group(1))
+        time.sleep(0.01)
+    proc.kill()
+    raise RuntimeError("the supervisor did not report its health port")
+
+
+def wait_serving(port: int, settle: float) -> None:
+    """Steady state only: the server answers (it starts after the first launch), then the
+    workers' start-up burst settles."""
+    import urllib.request
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.02)
+    time.sleep(settle)
+
+
+def restart_latencies(out: Path) -> list[float]:
+    """crash_R -> up_{R+1}, in ms, for every completed restart."""
+    result = []
+    for crash in sorted(out.glob("crash_*")):
+        r = int(crash.name.split("_")[1])
+        up = out / f"up_{r + 1}"
+        if up.exists():
+            result.append((float(up.read_text()) - float(crash.read_text())) * 1e3)
+    return result
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[str, object]:
+    with tempfile.TemporaryDirectory(prefix="health-load-") as tmp:
+        base = Path(tmp)
+        proc, port = start_supervisor(base, args, crash_every)
+        try:
+            wait_serving(port, settle=args.settle)
+            http: dict[str, object] = {}
+            if loaded:
+                results = asyncio.run(drive(f"http://127.0.0.1:{port}/healthz", args.rate,
+                                            args.duration, args.concurrency))
+                http = report(results, args.rate, as_json=True)
+            else:
+                time.sleep(args.duration)
+        finally:
+            stop(proc)
+        lat = restart_latencies(base / "out")
+        return {"loaded": loaded, "restarts": len(lat),
+                "restart_p50_ms": statistics.median(lat) if lat else float("nan"),
+                "restart_max_ms": max(lat) if lat else float("nan"), "http": http}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--rate", type=float, default=2000.0)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--line-rate", type=float, default=500.0, help="lines/s per worker")
+    parser.add_argument("--crash-every", type=float, default=2.0)
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds before the load")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    flood = one_run(args, loaded=True, crash_every=1e9)  # flooding, no restarts
+    unloaded = one_run(args, loaded=False, crash_every=args.crash_every)
+    loaded = one_run(args, loaded=True, crash_every=args.crash_every)
+    ratio = float(loaded["restart_p50_ms"]) / float(unloaded["restart_p50_ms"])  # type: ignore[arg-type]
+    steady, busy = flood["http"], loaded["http"]
+    assert isinstance(steady, dict) and isinstance(busy, dict)
+    print(f"| measure (8 workers x {args.line_rate:.0f} lines/s through --tee 3) | "
+          "flood only | flood + restarts | target |")
+    print("|---|---|---|---|")
+    for key, label, target in (("p50_ms", "/healthz p50 ms", ""),
+                               ("p99_ms", "/healthz p99 ms", "<= 10"),
+                               ("max_ms", "/healthz max ms", ""),
+                               ("achieved_rate", "achieved requests/s", ">= 2000"),
+                               ("errors", "errors", "0")):
+        print(f"| {label} | {steady[key]} | {busy[key]} | {target} |")
+    print(f"| crash -> restarted rank 0, median ms | unloaded: {unloaded['restart_p50_ms']:.1f} "
+          f"({unloaded['restarts']} restarts) | under load: {loaded['restart_p50_ms']:.1f} "
+          f"({loaded['restarts']} restarts) | |")
+    print(f"| restart latency, loaded / unloaded | | {ratio:.2f}x | <= 1.5x |")
+    if args.json:
+        runs = {"flood": flood, "unloaded": unloaded, "loaded": loaded}
+        args.json.write_text(json.dumps(runs, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
