@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from health_load import drive, report  # noqa: E402
+from health_load import drive, report
 
 WORKER = r"""
 import os, sys, time
