@@ -146,6 +146,7 @@ def summarise(kind: str, runs: list[Run]) -> dict[str, object]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--json", type=Path, default=None, help="raw lateness samples here")
     args = parser.parse_args()
     results: dict[str, list[Run]] = {"elastic-supervisor": [], "torchrun": []}
     with tempfile.TemporaryDirectory(prefix="hang-bench-") as tmp:
@@ -164,6 +165,9 @@ def main() -> int:
               f"{row['max_ms']:.1f} | {row['restarted']}/{row['runs']} | {row['orphans']} |")
     ratio = float(theirs["median_ms"]) / max(float(ours["median_ms"]), 1e-6)  # type: ignore[arg-type]
     print(f"\nmedian lateness ratio torchrun/ours: {ratio:.1f}x")
+    if args.json:
+        raw = {kind: [r.late for r in runs] for kind, runs in results.items()}
+        args.json.write_text(json.dumps({"summary": rows, "late_s": raw}, indent=2))
     return 0
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import io
 import json
 import os
 import re
@@ -125,7 +127,8 @@ def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[
             if loaded:
                 results = asyncio.run(drive(f"http://127.0.0.1:{port}/healthz", args.rate,
                                             args.duration, args.concurrency))
-                http = report(results, args.rate, as_json=True)
+                with contextlib.redirect_stdout(io.StringIO()):  # keep stdout one table
+                    http = report(results, args.rate, as_json=True)
             else:
                 time.sleep(args.duration)
         finally:
