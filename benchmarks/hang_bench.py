@@ -47,6 +47,7 @@ class Run:
     late: float | None  # seconds from deadline to the hung worker's death
     restarted: bool
     orphans: int
+    noticed: float | None = None  # ours: deadline -> expiry handled (events.jsonl "late")
 
 
 def wait_file(path: Path, timeout: float) -> dict[str, object] | None:
@@ -113,9 +114,38 @@ def one_run(kind: str, base: Path, i: int) -> Run:
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
         orphans = int(alive(int(sibling["pid"])))  # type: ignore[call-overload]
-        return Run(late, restarted, orphans)
+        return Run(late, restarted, orphans, noticed_late(out / "logs"))
     finally:
         cleanup(proc, out)
+
+
+def noticed_late(logs: Path) -> float | None:
+    """Our supervisor's own record of how late it handled the deadline."""
+    for path in logs.glob("*/events.jsonl"):
+        for line in path.read_text().splitlines():
+            event = json.loads(line)
+            if event.get("event") == "deadline_expired":
+                return float(event["late"])
+    return None
+
+
+def kill_teardown_ms(samples: int = 5) -> float:
+    """The floor under any launcher: SIGKILL -> exit of a process that imported torch."""
+    times = []
+    code = ("import sys\nfrom torch.distributed.elastic.timer import FileTimerClient\n"
+            "sys.stdout.write('r\\n'); sys.stdout.flush()\nimport time; time.sleep(60)")
+    for _ in range(samples):
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        fd = os.pidfd_open(proc.pid)
+        started = time.perf_counter()
+        os.kill(proc.pid, signal.SIGKILL)
+        select.select([fd], [], [], 10)
+        times.append((time.perf_counter() - started) * 1e3)
+        os.close(fd)
+        proc.wait()
+    return statistics.median(times)
 
 
 def cleanup(proc: subprocess.Popen[bytes], out: Path) -> None:
@@ -165,6 +195,12 @@ def main() -> int:
               f"{row['max_ms']:.1f} | {row['restarted']}/{row['runs']} | {row['orphans']} |")
     ratio = float(theirs["median_ms"]) / max(float(ours["median_ms"]), 1e-6)  # type: ignore[arg-type]
     print(f"\nmedian lateness ratio torchrun/ours: {ratio:.1f}x")
+    noticed = [r.noticed * 1e3 for r in results["elastic-supervisor"] if r.noticed is not None]
+    if noticed:
+        print(f"ours, deadline -> expiry handled and signal sent (events.jsonl): median "
+              f"{statistics.median(noticed):.1f} ms, max {max(noticed):.1f} ms")
+    print(f"floor for any launcher, SIGKILL -> exit of a process with torch imported: "
+          f"median {kill_teardown_ms():.1f} ms")
     if args.json:
         raw = {kind: [r.late for r in runs] for kind, runs in results.items()}
         args.json.write_text(json.dumps({"summary": rows, "late_s": raw}, indent=2))

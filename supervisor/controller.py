@@ -267,6 +267,7 @@ class Controller:
         if self._stale(event):
             logger.debug("dropping stale %s", event)
             return
+        self._record(event)
         old = self.state
         new, decision = sm.transition(old, event, self.policy)
         self.state = new
@@ -286,6 +287,19 @@ class Controller:
             self._replay.append((old, new, event, decision))
         self._publish()
         self._execute(decision)
+
+    def _record(self, event: sm.Event) -> None:
+        """Event-log lines for inputs that are not state changes by themselves."""
+        if isinstance(event, sm.DeadlineExpired):
+            self.events.emit(
+                "deadline_expired", local_rank=event.local_rank, pid=event.pid,
+                scope=event.scope, late=round(event.late, 6),
+            )
+        elif isinstance(event, sm.WorkerUnhealthy):
+            self.events.emit(
+                "worker_unhealthy", local_rank=event.local_rank, pid=event.pid,
+                reason=event.reason,
+            )
 
     def _stale(self, event: sm.Event) -> bool:
         attempt = getattr(event, "attempt", None)
