@@ -52,8 +52,9 @@ from supervisor.systemd import (
 )
 from supervisor.watchdog.dstate import DStateMonitor
 from supervisor.watchdog.escalate import HangDump
+from supervisor.watchdog.fifo import FifoError, check_fifo_path
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
-from supervisor.workers.guardian import Guardian, set_child_subreaper
+from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
 from supervisor.workers.output import OutputPlan, OutputSpecError
 from supervisor.workers.topology import cpus_for
 
@@ -160,14 +161,21 @@ async def supervise(
     progress = ProgressTable()
     runtime = RuntimeDir.create(environ)
     timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
+    if timer_file is not None:
+        try:
+            check_fifo_path(timer_file)
+        except FifoError as exc:
+            runtime.cleanup()
+            raise ConfigError(f"timer_file: {exc}") from None
     if not embedded:
         set_child_subreaper()
-    guardian = Guardian()
+    cookie = uuid.uuid4().hex
+    guardian = Guardian(cookie)
     hub = SnapshotHub(_initial_snapshot(settings, run_id))
     observers: list[Observer] = [_StopNotice(reporter)]
     controller = Controller(
         settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
-        output=output, environ=worker_base_env(environ, settings.local_world_size),
+        output=output, environ=worker_base_env(environ, settings.local_world_size, cookie),
         timer_file=str(timer_file) if timer_file else None, guardian=guardian,
         exempt_pids=[guardian.pid], sweep_adopted=not embedded, command=command, cpus=cpus,
         progress=progress, observers=observers,
@@ -354,10 +362,15 @@ class RuntimeDir:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
-def worker_base_env(environ: Mapping[str, str], local_world_size: int) -> dict[str, str]:
+def worker_base_env(
+    environ: Mapping[str, str], local_world_size: int, cookie: str | None = None
+) -> dict[str, str]:
     """The environment workers start from: ours, minus systemd's notify variables (a worker
-    must never be able to ping our watchdog or send READY=1 for us)."""
+    must never be able to ping our watchdog or send READY=1 for us), plus the guardian's
+    cookie, which marks every descendant as ours."""
     env = {k: v for k, v in environ.items() if k not in NOTIFY_ENV_VARS}
+    if cookie is not None:
+        env[COOKIE_ENV] = cookie
     return default_omp_threads(env, local_world_size)
 
 

@@ -126,7 +126,7 @@ def _nproc(text: str) -> int:
         return os.cpu_count() or 1
     if text == "gpu":
         raise ConfigError("nproc_per_node: 'gpu' needs CUDA devices, none visible")
-    if not text.isdigit() or int(text) < 1:
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
         raise ConfigError(f"nproc_per_node: expected a positive integer, cpu or auto, got {text!r}")
     return int(text)
 

@@ -715,8 +715,9 @@ def _next_attempt_index(run_dir: Path) -> int:
     try:
         for entry in os.scandir(run_dir):
             name = entry.name
-            if name.startswith("attempt_") and name[8:].isdigit():
-                highest = max(highest, int(name[8:]))
+            index = name[8:]
+            if name.startswith("attempt_") and index.isascii() and index.isdigit():
+                highest = max(highest, int(index))
     except OSError:
         return 0
     return highest + 1

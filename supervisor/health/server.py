@@ -11,6 +11,7 @@ body is small JSON except ``/metrics``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import socket
@@ -22,6 +23,7 @@ from typing import Any
 import anyio
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestHandler
 from anyio.abc import TaskStatus
 
 from supervisor.core import health
@@ -40,6 +42,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 CLEANUP_TIMEOUT = 5.0
 SHUTDOWN_TIMEOUT = 1.0  # in-flight requests are tiny; do not hold a stop for them
 MAX_REQUEST_BODY = 1024  # nothing is ever read from a body
+MAX_CONNECTIONS = 64  # probes and scrapers need a handful; the rest go to the workers
 SERVER_NAME = "elastic-supervisor"
 _COMMON_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 
@@ -192,6 +195,8 @@ async def serve_health(
         logger=http_logger,
     )
     await runner.setup()
+    assert runner.server is not None
+    cap_connections(runner.server, MAX_CONNECTIONS)
     try:
         site: web.BaseSite = (
             web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
@@ -208,6 +213,22 @@ async def serve_health(
             await runner.cleanup()
         if scope.cancelled_caught:
             logger.warning("health server cleanup took over %.1f s; abandoned", CLEANUP_TIMEOUT)
+
+
+def cap_connections(server: web.Server, limit: int) -> None:
+    """Close each new connection at once while ``limit`` are open.
+
+    A prober that opens connections and never finishes a request would otherwise take
+    every file descriptor, and the next restart could not spawn its workers.
+    """
+    made = server.connection_made
+
+    def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
+        made(handler, transport)
+        if len(server.connections) > limit:
+            transport.close()
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
 
 
 def load_openapi() -> bytes:

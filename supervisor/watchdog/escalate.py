@@ -163,7 +163,9 @@ async def _py_spy_dump(pid: int, spec: HangDump, path: Path | None) -> None:
             logger.warning("hang dump of pid %d:\n%s", pid, result.decode(errors="replace"))
         return
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "wb") as out:
+    # stacks can hold secrets: readable by the service's group at most, like the logs
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+    with open(fd, "wb") as out:
         await _run_bounded(command, out.fileno(), spec.timeout)
     logger.warning("hang dump of pid %d saved to %s", pid, path)
 

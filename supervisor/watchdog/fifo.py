@@ -113,6 +113,24 @@ def _check_private_dir(directory: Path) -> None:
         raise FifoError(f"{directory} is open to other users (mode {st.st_mode & 0o777:o})")
 
 
+def check_fifo_path(path: Path) -> None:
+    """Raise ``FifoError`` now if ``create_fifo`` would refuse ``path`` (a start-up check).
+
+    Makes the private parent directory if it is missing, as ``create_fifo`` would.
+    """
+    try:
+        ensure_private_dir(path.parent)
+        st = os.lstat(path)
+    except FileNotFoundError as exc:
+        if exc.filename == str(path):
+            return
+        raise FifoError(f"{path.parent}: {exc.strerror}") from None
+    except OSError as exc:
+        raise FifoError(f"{path.parent}: {exc.strerror}") from None
+    if not stat.S_ISFIFO(st.st_mode):
+        raise FifoError(f"{path} exists and is not a FIFO; refusing to replace it")
+
+
 def create_fifo(path: Path) -> bool:
     """Create the FIFO (0600) in a private parent directory; returns if the dir was created.
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,15 +45,25 @@ def parse_error_file(data: Any) -> ErrorReport | None:
 def _number(value: Any) -> float | None:
     try:
         return float(value) if value is not None else None
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # float(10**400) overflows
         return None
 
 
 def read_error_file(path: str | Path) -> ErrorReport | None:
-    """The report in ``path``, or None if missing or unreadable (never raises)."""
+    """The report in ``path``, or None if missing, not a regular file or unreadable.
+
+    Never raises and never blocks: the worker chose what is at ``path`` (a FIFO there
+    must not stop the event loop, deep nesting must not escape as RecursionError).
+    """
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        with open(fd, encoding="utf-8", errors="replace") as f:  # owns fd from here
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
             text = f.read(MAX_ERROR_FILE)
         return parse_error_file(json.loads(text))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None

@@ -17,6 +17,10 @@ import sys
 
 logger = logging.getLogger(__name__)
 
+COOKIE_ENV = "ELASTIC_SUPERVISOR_COOKIE"
+"""In every worker's environment, so inherited by descendants that leave the worker's
+session (setsid), which the guardian then finds in ``/proc/PID/environ``."""
+
 # The guardian needs only builtins: a POSIX shell costs ~1.6 MB of memory against ~9 MB for
 # a Python interpreter. Groups are kept as " 12 34 " and removed by pattern, never by pid
 # arithmetic; on EOF every group still registered gets SIGKILL.
@@ -31,6 +35,13 @@ while read -r op pgid; do
   esac
 done
 for pgid in $groups; do kill -9 -"$pgid" 2>/dev/null; done
+# descendants that left the groups (setsid) still carry the cookie in their environment;
+# a few passes, since one may have been forking while the last pass ran
+[ -n "$1" ] && for pass in 1 2 3 4 5 6 7 8; do
+  found=$(grep -lsxzF -- "$1" /proc/[0-9]*/environ)  # status 2: some were unreadable
+  [ -n "$found" ] || break
+  for f in $found; do p=${f#/proc/}; kill -9 "${p%/environ}" 2>/dev/null; done
+done
 """
 
 _GUARDIAN_PY = r"""
@@ -49,15 +60,40 @@ for pgid in groups:
         os.killpg(pgid, signal.SIGKILL)
     except OSError:
         pass
+cookie = sys.argv[1].encode() if len(sys.argv) > 1 else b""
+for _ in range(8 if cookie else 0):
+    found = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fd = os.pidfd_open(int(entry))  # pinned: a recycled pid is never the one hit
+        except OSError:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if cookie in f.read().split(b"\0"):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                    found += 1
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    if not found:
+        break
 """
 
 
 class Guardian:
     """Keeps the guardian process informed of live worker process groups."""
 
-    def __init__(self) -> None:
+    def __init__(self, cookie: str | None = None) -> None:
+        """``cookie``: the value of ``COOKIE_ENV`` in every worker's environment. When the
+        supervisor dies, every process still carrying it is killed too."""
         shell = shutil.which("sh")
-        argv = [shell, "-c", _GUARDIAN_SH] if shell else [sys.executable, "-S", "-c", _GUARDIAN_PY]
+        mark = [f"{COOKIE_ENV}={cookie}"] if cookie else []
+        argv = ([shell, "-c", _GUARDIAN_SH, "guardian", *mark] if shell
+                else [sys.executable, "-S", "-c", _GUARDIAN_PY, *mark])
         self._proc = subprocess.Popen(
             argv,
             stdin=subprocess.PIPE,
