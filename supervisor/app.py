@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import anyio
+import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from supervisor.config import ConfigError, Settings
@@ -101,6 +102,18 @@ def make_rendezvous(settings: Settings, run_id: str) -> Rendezvous:
     return EtcdRendezvous(config)
 
 
+def conf_barrier_timeout(settings: Settings) -> Settings:
+    """``--rdzv-conf exit_barrier_timeout=S`` (a documented etcd key) overrides the flag."""
+    if settings.rdzv_backend != "etcd":
+        return settings
+    from supervisor.rendezvous.etcd import parse_rdzv_conf
+
+    value = parse_rdzv_conf(settings.rdzv_conf).get("exit_barrier_timeout")
+    if value is None:
+        return settings
+    return msgspec.structs.replace(settings, exit_barrier_timeout=float(value))
+
+
 def check_runnable(settings: Settings, environ: Mapping[str, str]) -> None:
     """Fail early with one line when the command cannot possibly start."""
     script = settings.training_script
@@ -151,9 +164,12 @@ async def supervise(
     log_root = _log_root(settings)
     events = EventLog(settings.event_log or log_root / run_id / "events.jsonl", run_id)
     rendezvous = make_rendezvous(settings, run_id)
+    settings = conf_barrier_timeout(settings)
     try:
         await rendezvous.connect()
     except RendezvousError as exc:
+        with anyio.CancelScope(shield=True):
+            await rendezvous.aclose()  # its HTTP session, or asyncio logs "Unclosed client session"
         raise ConfigError(f"rdzv_endpoint: {exc}") from None
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
     reporter = StatusReporter(notifier)

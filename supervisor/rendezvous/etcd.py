@@ -401,6 +401,8 @@ class EtcdRendezvous:
         """Revoke the lease: this node's keys vanish, the others re-form; the job goes on."""
         if not self._left:
             self._left = True
+            if not self._lease.id:
+                return  # never joined (etcd was unreachable): nothing to leave
             with anyio.move_on_after(self.config.request_timeout):
                 await self._lease.revoke()
             logger.info("left etcd rendezvous %s as %s", self.run_id, self.node_id)
@@ -663,7 +665,7 @@ class EtcdRendezvous:
                                    if m not in state.nodes(result.round, "done")]
                         verdict = self._barrier_verdict(state, result, pending)
                         if verdict is not None:
-                            return await self._after_barrier(verdict)
+                            return await self._after_barrier(state, verdict)
                         await view.wait_changed(seen)
         except RendezvousError as exc:
             return BarrierResult(False, str(exc))
@@ -684,9 +686,15 @@ class EtcdRendezvous:
             return BarrierResult(False, f"node(s) lost before finishing: {', '.join(lost)}")
         return None
 
-    async def _after_barrier(self, verdict: BarrierResult) -> BarrierResult:
+    async def _after_barrier(self, state: _State, verdict: BarrierResult) -> BarrierResult:
         if verdict.ok:
             await self._close(ok=True, reason="job succeeded")
+        elif state.closed is None:
+            # The job moved on (a restart opened a new round, or a member was lost and one
+            # will be): this node is done and never rejoins, so the others would wait for it
+            # until join_timeout. Close the job, as torchrun's finished agent does.
+            await self._close(ok=False, reason=f"node {self.node_id} had finished its "
+                                               f"workers when {verdict.message}")
         return verdict
 
     # job-wide

@@ -30,7 +30,10 @@ import anyio
 logger = logging.getLogger(__name__)
 
 JsonDict = dict[str, Any]
-_RETRY_ELSEWHERE = frozenset({4, 14})  # gRPC DEADLINE_EXCEEDED, UNAVAILABLE: ask another member
+# gRPC codes that mean "this member cannot answer now: ask another one": DEADLINE_EXCEEDED,
+# UNAVAILABLE, and CANCELLED, which a gracefully stopping member's gateway sends on open
+# watch streams ("grpc: the client connection is closing").
+_RETRY_ELSEWHERE = frozenset({1, 4, 14})
 _UNAUTHENTICATED = 16
 _OPS = {"=": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
 
