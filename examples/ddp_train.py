@@ -134,6 +134,10 @@ def main() -> None:
     dist.all_reduce(final)
     if rank == 0:
         print(f"final loss {final.item() / world:.10f} after {args.steps} steps", flush=True)
+    # every rank is done with every collective before any rank tears its connections
+    # down: without this gloo can abort a rank whose peer closed first
+    # ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
