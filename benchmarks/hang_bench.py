@@ -62,6 +62,19 @@ def wait_file(path: Path, timeout: float) -> dict[str, object] | None:
     return None
 
 
+def wait_restart(path: Path, proc: subprocess.Popen[bytes], timeout: float) -> bool:
+    """True once a restarted worker appears; False at the timeout or once the launcher is
+    gone (torchrun's watchdog kills its own agent, so nothing can restart)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists():
+            return True
+        if proc.poll() is not None:
+            return path.exists()
+        time.sleep(0.005)
+    return False
+
+
 def alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -110,7 +123,7 @@ def one_run(kind: str, base: Path, i: int) -> Run:
             return Run(None, False, 0)
         died = death_time(int(hung["pid"]), 10)  # type: ignore[call-overload]
         late = None if died is None else died - float(hung["deadline"])  # type: ignore[arg-type]
-        restarted = wait_file(out / "1-0.json", 8) is not None
+        restarted = wait_restart(out / "1-0.json", proc, 8)
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(timeout=10)
         orphans = int(alive(int(sibling["pid"])))  # type: ignore[call-overload]

@@ -48,8 +48,9 @@ def sections(quick: bool) -> list[Section]:
                 ["--runs", "4"]),
         Section("Health endpoint under load", "health_under_load.py", ["--duration", "20"],
                 ["--duration", "5"]),
-        Section("Rendezvous and scale-up (etcd vs torchrun c10d)", "rendezvous_bench.py", [],
-                ["--quick"], json_flag=False),
+        Section("Rendezvous and scale-up (etcd vs torchrun c10d)", "rendezvous_bench.py",
+                ["--reps", "1", "--sizes", "2,4,8,16", "--scale-window", "5",
+                 "--loss-window", "5"], ["--quick"], json_flag=False),
     ]
 
 
