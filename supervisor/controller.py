@@ -693,7 +693,7 @@ def _worker_view(worker: Worker, phase: sm.Phase) -> WorkerView:
         state = "running"
     elif st.ok:
         state = "succeeded"
-    elif phase is sm.Phase.STOPPING or worker.extra.get("stopped"):
+    elif phase is sm.Phase.STOPPING:
         state = "stopped"
     else:
         state = "failed"

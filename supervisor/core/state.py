@@ -432,17 +432,13 @@ def _on_group_stopped(
             # STOPPING(fatal) -> FAILED, never restarted
             root = state.root_cause
             reason = "node unhealthy: " + (root.describe() if root else "unknown")
-            return _finish(state, Phase.FAILED, 1 if root is None else max(1, _code(root)), reason)
+            return _finish(state, Phase.FAILED, root.process_exit_code if root else 1, reason)
         case StopReason.MEMBERSHIP:
             # STOPPING(membership) -> RENDEZVOUS: no budget, no backoff
             return replace(state, phase=Phase.RENDEZVOUS, stop_reason=None), StartRendezvous()
         case StopReason.FAILURE:
             return _restart_or_fail(state, event, policy)
     raise InvalidTransition(state, event)
-
-
-def _code(failure: Failure) -> int:
-    return failure.process_exit_code
 
 
 def _restart_or_fail(

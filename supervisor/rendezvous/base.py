@@ -6,6 +6,7 @@ scale-up poller task. ``static`` is the embedded default (no server); ``etcd`` u
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,6 +26,20 @@ class RendezvousResult:
     master_port: int
     members: tuple[str, ...] = ()  # node ids in group-rank order
     duration: float = 0.0  # seconds the round took to complete
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port free on ``addr`` right now, for a round's rank-0 worker to bind soon."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.bind(sockaddr)
+            port: int = sock.getsockname()[1]
+    except OSError:  # not an address of this host: any interface will do
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+    return port
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from supervisor.rendezvous.base import (
     RendezvousClosed,
     RendezvousError,
     RendezvousResult,
+    free_port,
 )
 from supervisor.rendezvous.etcd_client import (
     EtcdClient,
@@ -207,20 +208,6 @@ def make_config(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str = "",
         min_nodes=min_nodes, max_nodes=max_nodes, local_addr=local_addr or "",
         tls=TlsFiles(**files) if https else None, password=password, **passed,
     )
-
-
-def free_port(addr: str) -> int:
-    """A TCP port free on ``addr`` right now, for this round's rank-0 worker to bind."""
-    try:
-        family, _, _, _, sockaddr = socket.getaddrinfo(addr, 0, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind(sockaddr)
-            port: int = sock.getsockname()[1]
-    except OSError:  # not an address of this host: any interface will do
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
-    return port
 
 
 @contextmanager

@@ -8,22 +8,12 @@ used as given (default 29500, as torchrun).
 
 from __future__ import annotations
 
-import socket
-
 import anyio
 from anyio.abc import TaskStatus
 
-from supervisor.rendezvous.base import BarrierResult, RendezvousResult
+from supervisor.rendezvous.base import BarrierResult, RendezvousResult, free_port
 
 DEFAULT_MASTER_PORT = 29500
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago on ``host`` (the worker binds it soon after)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class StaticRendezvous:
@@ -51,10 +41,7 @@ class StaticRendezvous:
         if self.master_port:
             return self.master_port
         if self.nnodes == 1:
-            try:
-                return free_port(self.master_addr)
-            except OSError:
-                return free_port()
+            return free_port(self.master_addr)
         return DEFAULT_MASTER_PORT
 
     async def connect(self) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -185,10 +184,3 @@ def signal_workers(workers: Sequence[Worker], signum: int) -> None:
     for worker in workers:
         if worker.poll_exit() is None:
             worker.signal_group(signum)
-
-
-def describe_signal(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return str(signum)
