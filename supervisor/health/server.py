@@ -11,6 +11,9 @@ body is small JSON except ``/metrics``.
 
 from __future__ import annotations
 
+import supervisor.lean  # noqa: F401  -- before the first aiohttp import
+
+# isort: split
 import asyncio
 import json
 import logging

@@ -13,6 +13,9 @@ never logged.
 
 from __future__ import annotations
 
+import supervisor.lean  # noqa: F401  -- before the first aiohttp import
+
+# isort: split
 import base64
 import json
 import logging
