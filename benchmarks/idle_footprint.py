@@ -83,6 +83,26 @@ def run_once(launcher: Launcher, workers: int, window: float, settle: float) -> 
         return sample
 
 
+def standby_cost(workers: int, settle: float) -> dict[str, float]:
+    """Ours with ``--max-restarts 1``: a standby interpreter per local rank waits for the next
+    attempt (docs/design.md). Their memory, in bytes, and how many there are."""
+    with job(OURS, mode="idle", nproc=workers, max_restarts=1) as j:
+        j.start()
+        j.wait_up(0, workers, timeout=120.0)
+        time.sleep(settle)
+        standbys = [p for p in j.helpers(0) if "_standby()" in " ".join(_cmdline(p))]
+        me = [psutil.Process(j.pid)]
+        return {"count": len(standbys), "rss": rss_bytes(standbys), "uss": uss_bytes(standbys),
+                "supervisor_rss": rss_bytes(me)}
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
 def _describe(p: psutil.Process) -> str:
     try:
         cmd = p.cmdline()

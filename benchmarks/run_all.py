@@ -161,6 +161,16 @@ def table(res: dict[str, Any], cfg: argparse.Namespace) -> str:
             f"| {cpu_ratio(tr.sched_all, ours.sched_all)} | ≥ 10x lower "
             f"| {cpu_verdict(tr.sched_all, ours.sched_all, 0.0)} |",
         ]
+    if "standby" in res:
+        sb = res["standby"]
+        n = int(sb["count"])
+        rows.append(
+            f"| with `--max-restarts` ≥ 1: {n} standby interpreters (warm restarts), RSS "
+            f"(USS) | {sb['rss'] / 2**20:.1f} MiB ({sb['uss'] / 2**20:.1f} MiB), "
+            f"{sb['rss'] / max(n, 1) / 2**20:.1f} MiB each | | | | |")
+        rows.append(
+            f"| … supervisor process RSS alongside them "
+            f"| {sb['supervisor_rss'] / 2**20:.1f} MiB | | | | |")
     out = "\n".join(rows)
     phases = _phase_table(res)
     return out + ("\n\n" + phases if phases else "")
@@ -327,12 +337,15 @@ def main(argv: list[str] | None = None) -> int:
         res["idle"] = idle_footprint.measure(
             [OURS, TORCHRUN], workers=cfg.idle_workers, window=cfg.idle_window,
             settle=cfg.idle_settle, reps=cfg.idle_reps, log=log)
+        res["standby"] = idle_footprint.standby_cost(cfg.idle_workers, cfg.idle_settle)
+        log(f"  standbys with --max-restarts 1: {res['standby']}")
     seconds = time.monotonic() - started
     md = table(res, cfg)
     print(md)
     if cfg.json:
         Path(cfg.json).write_text(json.dumps(
-            {k: [asdict(r) for r in v] for k, v in res.items()}, indent=2))
+            {k: v if isinstance(v, dict) else [asdict(r) for r in v] for k, v in res.items()},
+            indent=2))
     if cfg.write_docs:
         write_docs(results_section(md, cfg, (load_before, os.getloadavg()), seconds))
         log(f"wrote {DOCS}")

@@ -24,7 +24,7 @@ class ConfigError(Exception):
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Every setting of ``elastic-supervisor run``; see docs/configuration.md."""
+    """Every setting of ``elastic-supervisor run`` (the flags without ``--``, ``-`` as ``_``)."""
 
     # what to run
     training_script: str = ""
@@ -81,6 +81,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     no_watchdog: bool = False
     hang_dump: str = "none"
     hang_state_timeout: float = 60.0
+    no_warm_restart: bool = False  # restarted workers start in pre-started interpreters
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -49,9 +49,14 @@ from supervisor.workers.spawn import (
     spawn_worker,
     wait_exit,
 )
+from supervisor.workers.standby import Standby, discard_all, spawn_standby
 from supervisor.workers.stop import stop_group
 
 logger = logging.getLogger(__name__)
+
+# seconds after a launch before the standbys of the next attempt start: the group's own
+# interpreters start first (on a small machine they would otherwise share the CPUs)
+STANDBY_DELAY = 0.0
 
 
 # ------------------------------------------------------------------- inbox commands
@@ -198,6 +203,8 @@ class Controller:
         self._rng = random.Random()
         self._started_wall = time.time()
         self._launched_once = anyio.Event()
+        self.standbys: dict[int, Standby] = {}  # local rank -> its warm interpreter
+        self._python = self.environ.get("PYTHON_EXEC", sys.executable)
 
     # ------------------------------------------------------------------ main loop
     async def run(self, inbox: Inbox, outbox: Outbox) -> int:
@@ -218,6 +225,7 @@ class Controller:
                 tg.cancel_scope.cancel()
         finally:
             await self._release_workers()
+            self._discard_standbys()
         self._summarise()
         return self.state.exit_code if self.state.exit_code is not None else 1
 
@@ -240,7 +248,7 @@ class Controller:
                 await stop_group(
                     unreaped, signum=signal.SIGTERM, grace=self.settings.shutdown_timeout,
                     kill_now=attempt.kill_now, sweep_adopted=self.sweep_adopted,
-                    exempt=self.exempt_pids,
+                    exempt=self._exempt(),
                 )
                 tg.cancel_scope.cancel()
             for worker in unreaped:
@@ -443,6 +451,7 @@ class Controller:
         self.events.emit(
             "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
             pids={w.local_rank: w.pid for w in attempt.workers},
+            warm=[w.local_rank for w in attempt.workers if w.extra.get("warm")] or None,
             master_addr=layout.master_addr, master_port=layout.master_port,
             cpus={w.local_rank: list(w.spec.cpus) for w in attempt.workers if w.spec.cpus}
             or None,
@@ -456,6 +465,8 @@ class Controller:
         for local_rank, message in failed_to_start:
             self._post(sm.WorkerExited(decision.attempt, local_rank, 0, 127, None, now, message))
         self._launched_once.set()
+        if self._restart_possible(decision.restart_count):
+            self._tg.start_soon(self._prepare_standbys, attempt)
 
     def _spawn(self, attempt: Attempt, local_rank: int) -> Worker:
         rank_dir = attempt.directory / str(local_rank)
@@ -475,13 +486,73 @@ class Controller:
             local_rank, global_rank, argv, env, stdout, stderr, cpus=self.cpus(local_rank)
         )
         try:
-            worker = spawn_worker(spec, self.death)
+            worker = self._warm_start(spec)
+            if worker is None:
+                worker = spawn_worker(spec, self.death)
+                if self.guardian is not None:
+                    self.guardian.watch(worker.pid)
         finally:
             self.output.after_spawn(local_rank)
-        if self.guardian is not None:
-            self.guardian.watch(worker.pid)
         logger.debug("local rank %d started as pid %d", local_rank, worker.pid)
         return worker
+
+    # ------------------------------------------------------------------ warm restarts
+    def _restart_possible(self, restart_count: int) -> bool:
+        """Whether another attempt may follow this one (so standbys are worth their memory):
+        failure restarts left, or a backend whose membership can change."""
+        if self.settings.no_warm_restart:
+            return False
+        return self.settings.rdzv_backend != "static" or restart_count < self.settings.max_restarts
+
+    async def _prepare_standbys(self, attempt: Attempt) -> None:
+        """Start a standby interpreter for every local rank whose command can run warm."""
+        await anyio.sleep(STANDBY_DELAY)  # the group's own start-up first
+        for worker in attempt.workers:
+            rank = worker.local_rank
+            if self.attempt is not attempt or attempt.scope.cancel_called:
+                return
+            if rank in self.standbys or not Standby.accepts(self._prefix, worker.spec.argv):
+                continue
+            try:
+                standby = spawn_standby(
+                    rank, self._python, self.environ, self.death, cwd=worker.spec.cwd,
+                    cpus=worker.spec.cpus,
+                )
+            except OSError as exc:
+                logger.warning("cannot start a standby for local rank %d: %s", rank, exc)
+                return
+            self.standbys[rank] = standby
+            if self.guardian is not None:
+                self.guardian.watch(standby.pid)
+            logger.debug("standby for local rank %d started as pid %d", rank, standby.pid)
+            await anyio.sleep(0)  # a probe or an exit in between is served first
+
+    @property
+    def _prefix(self) -> list[str]:
+        return [self._python, "-u"]
+
+    def _warm_start(self, spec: WorkerSpec) -> Worker | None:
+        """Start the worker in its rank's standby; None if there is none or it cannot."""
+        standby = self.standbys.pop(spec.local_rank, None)
+        if standby is None:
+            return None
+        worker = standby.go(spec) if Standby.accepts(standby.prefix, spec.argv) else None
+        if worker is None:
+            standby.discard()
+            if self.guardian is not None:
+                self.guardian.forget(standby.pid)
+            return None
+        worker.extra["warm"] = True
+        return worker
+
+    def _discard_standbys(self) -> None:
+        for pid in discard_all(self.standbys):
+            if self.guardian is not None:
+                self.guardian.forget(pid)
+
+    def _exempt(self) -> set[int]:
+        """Our children a group's sweep must not kill: the guardian and the standbys."""
+        return self.exempt_pids | {s.pid for s in self.standbys.values()}
 
     async def _attempt_tasks(self, attempt: Attempt) -> None:
         """The attempt's monitors and membership watch; cancelled when it is stopped."""
@@ -555,7 +626,7 @@ class Controller:
                 grace=self.settings.shutdown_timeout,
                 kill_now=attempt.kill_now,
                 sweep_adopted=self.sweep_adopted,
-                exempt=self.exempt_pids,
+                exempt=self._exempt(),
             )
             attempt.scope.cancel()
             for worker in attempt.workers:

@@ -139,13 +139,16 @@ _PDEATHSIG_SHIM = (
 )
 
 
-def spawn_worker(spec: WorkerSpec, death: DeathSignal) -> Worker:
-    """Start one worker in its own session. Raises OSError if it cannot be started."""
+def spawn_worker(spec: WorkerSpec, death: DeathSignal, *, stdin: int | None = None) -> Worker:
+    """Start one worker in its own session. Raises OSError if it cannot be started.
+
+    ``stdin``: a descriptor for the worker's stdin (a standby's control socket); by
+    default ``/dev/null``, as torchrun gives its workers."""
     argv = [*death.prefix(spec.cpus), *spec.argv]
     popen = subprocess.Popen(
         argv,
         env=spec.env,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL if stdin is None else stdin,
         stdout=spec.stdout,
         stderr=spec.stderr,
         cwd=spec.cwd,
