@@ -9,7 +9,9 @@ workers' own records) is killed if it is still alive. Nothing here is used by th
 
 from __future__ import annotations
 
+import compileall
 import contextlib
+import functools
 import os
 import select
 import shutil
@@ -49,6 +51,7 @@ class Launcher:
 
     def command(self) -> list[str]:
         if self.kind == "ours":
+            ensure_bytecode()
             exe = BIN / "elastic-supervisor"
             if exe.exists():
                 return [str(exe), "run"]
@@ -68,6 +71,19 @@ class Launcher:
         ]
         own = ["--health-port", "0"] if self.kind == "ours" else []
         return [*self.command(), *common, *own, *self.extra, str(WORKER), *args]
+
+
+@functools.cache
+def ensure_bytecode() -> None:
+    """Compile our package's bytecode, as ``pip install`` does for a regular install.
+
+    torch, like every regularly installed package, has its ``.pyc`` files. An editable
+    install has none until Python writes them, and environments that set
+    ``PYTHONDONTWRITEBYTECODE`` (this one does) never do: every start would compile our
+    modules from source (~30 ms here), which no installed supervisor pays."""
+    import supervisor
+
+    compileall.compile_dir(Path(supervisor.__file__).parent, quiet=1)
 
 
 OURS = Launcher("elastic-supervisor", "ours")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -145,6 +144,8 @@ def _backoff(text: str) -> tuple[float, float]:
 
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read a TOML config file into raw settings; unknown keys are an error."""
+    import tomllib  # only with --config: kept off the start-up path of a flags-only run
+
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)

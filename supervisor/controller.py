@@ -17,11 +17,12 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import anyio
+import msgspec
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
@@ -62,15 +63,13 @@ STANDBY_DELAY = 0.0
 # ------------------------------------------------------------------- inbox commands
 
 
-@dataclass(frozen=True)
-class ForwardSignal:
+class ForwardSignal(msgspec.Struct, frozen=True):
     """Pass a signal (SIGUSR1/SIGUSR2 preemption notices) to every worker; nothing else."""
 
     signum: int
 
 
-@dataclass(frozen=True)
-class ReopenLogs:
+class ReopenLogs(msgspec.Struct, frozen=True):
     """SIGHUP: reopen log files (logrotate); workers are not touched."""
 
 
@@ -368,7 +367,7 @@ class Controller:
         except RendezvousError as exc:
             self._post(sm.RendezvousFailed(str(exc), time.monotonic()))
             return
-        self.round = replace(result, duration=time.monotonic() - started)
+        self.round = msgspec.structs.replace(result, duration=time.monotonic() - started)
         job_restarts = await self._job_restarts()
         self.events.emit(
             "rendezvous", round=result.round, group_rank=result.group_rank,

@@ -20,10 +20,10 @@ import os
 import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Final
 
 import anyio
+import msgspec
 from anyio.abc import TaskStatus
 
 from supervisor.core.snapshot import Snapshot
@@ -46,8 +46,7 @@ DEFAULT_MAX_LAG: Final = 2.0
 # ---------------------------------------------------------------------- parsing (pure)
 
 
-@dataclass(frozen=True)
-class WatchdogSettings:
+class WatchdogSettings(msgspec.Struct, frozen=True):
     """The service watchdog systemd armed for us (``WatchdogSec=``)."""
 
     timeout_usec: int

@@ -30,7 +30,7 @@ def test_no_timer_file_removes_inherited_one() -> None:
 
 
 def test_virtual_local_rank_narrows_devices() -> None:
-    from dataclasses import replace
+    from msgspec.structs import replace
 
     layout = replace(LAYOUT, virtual_local_rank=True)
     env = worker_env({"CUDA_VISIBLE_DEVICES": "4,5"}, layout, 1, error_file="/e", timer_file=None)

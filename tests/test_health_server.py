@@ -7,7 +7,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -16,6 +16,7 @@ import pytest
 from anyio.from_thread import start_blocking_portal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.core import state as sm

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from supervisor import config, logsetup
@@ -549,7 +550,7 @@ def test_format_status(snap: Snapshot, line: str) -> None:
 
 def test_format_status_is_one_bounded_line() -> None:
     view = failure(2)
-    long = FailureView(**{**view.__dict__, "description": "boom\n" * 100})
+    long = msgspec.structs.replace(view, description="boom\n" * 100)
     line = format_status(snapshot("failed", exit_code=1, last_failure=long))
     assert "\n" not in line
     assert len(line) <= 200

@@ -21,7 +21,8 @@ import heapq
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+
+import msgspec
 
 PIPE_BUF = 4096  # longest line (without its newline) a writer can post atomically
 WIRE_VERSION = 1
@@ -49,8 +50,7 @@ class RejectReason(enum.StrEnum):
     NOT_OWNED = "not_owned"
 
 
-@dataclass(frozen=True, slots=True)
-class TimerRequest:
+class TimerRequest(msgspec.Struct, frozen=True):
     """One valid request from a worker: acquire (or renew) or release a deadline."""
 
     pid: int
@@ -63,8 +63,7 @@ class TimerRequest:
         return self.expiration_time < 0
 
 
-@dataclass(frozen=True, slots=True)
-class Rejected:
+class Rejected(msgspec.Struct, frozen=True):
     """A line that is not a valid request, with the reason (a metrics label) and detail."""
 
     reason: RejectReason
@@ -144,8 +143,7 @@ def encode_request(request: TimerRequest) -> bytes:
 # ------------------------------------------------------------------------------ table
 
 
-@dataclass(frozen=True, slots=True)
-class Deadline:
+class Deadline(msgspec.Struct, frozen=True):
     """A registered deadline; ``expires_at`` is monotonic seconds."""
 
     pid: int
@@ -155,8 +153,7 @@ class Deadline:
     local_rank: int
 
 
-@dataclass(frozen=True, slots=True)
-class Expired:
+class Expired(msgspec.Struct, frozen=True):
     """A deadline that passed; ``late`` is how long ago, when it was noticed."""
 
     deadline: Deadline

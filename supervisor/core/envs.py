@@ -7,16 +7,16 @@ result with a recorded expectation without touching ``os.environ``.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from string import Template
+
+import msgspec
 
 
 class EnvContractError(Exception):
     """The requested layout cannot be expressed (e.g. more ranks than devices)."""
 
 
-@dataclass(frozen=True)
-class GroupLayout:
+class GroupLayout(msgspec.Struct, frozen=True):
     """Where this node's workers sit in the job for one attempt."""
 
     run_id: str

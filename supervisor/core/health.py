@@ -16,8 +16,9 @@ no failed worker.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from supervisor import __version__
 from supervisor.core.snapshot import FailureView, RendezvousView, Snapshot, WorkerView
@@ -28,8 +29,7 @@ DEFAULT_MAX_LOOP_LAG = 5.0
 _RUNNING = "running"
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(msgspec.Struct, frozen=True):
     """One probe's answer: ``ok`` and a short human reason."""
 
     ok: bool

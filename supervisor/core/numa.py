@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
 from typing import Literal, get_args
+
+import msgspec
 
 Mode = Literal["node", "socket", "exclusive", "core-complex"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -34,8 +35,7 @@ class NumaBindingError(Exception):
     """The requested binding cannot be made on this topology (one line, for the user)."""
 
 
-@dataclass(frozen=True)
-class CpuTopology:
+class CpuTopology(msgspec.Struct, frozen=True):
     """What sysfs says about the machine, already parsed.
 
     Missing entries mean "unknown": a CPU without a socket is on socket 0, without thread
@@ -43,9 +43,9 @@ class CpuTopology:
     """
 
     node_cpus: Mapping[int, frozenset[int]]  # NUMA node -> its logical CPUs
-    socket_of: Mapping[int, int] = field(default_factory=dict)  # CPU -> physical package
-    thread_siblings: Mapping[int, frozenset[int]] = field(default_factory=dict)  # same core
-    cache_siblings: Mapping[int, frozenset[int]] = field(default_factory=dict)  # same LLC
+    socket_of: Mapping[int, int] = msgspec.field(default_factory=dict)  # CPU -> physical package
+    thread_siblings: Mapping[int, frozenset[int]] = msgspec.field(default_factory=dict)  # same core
+    cache_siblings: Mapping[int, frozenset[int]] = msgspec.field(default_factory=dict)  # same LLC
 
     def socket(self, cpu: int) -> int:
         return self.socket_of.get(cpu, 0)

@@ -6,11 +6,11 @@ replay any sequence of failures and healthy periods and check every decision.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import msgspec
+from msgspec.structs import replace
 
 
-@dataclass(frozen=True)
-class RestartHistory:
+class RestartHistory(msgspec.Struct, frozen=True):
     """Failure restarts that still count against the budget, and when the group last started."""
 
     restarts: tuple[float, ...] = ()
@@ -20,8 +20,7 @@ class RestartHistory:
         return replace(self, group_started_at=now)
 
 
-@dataclass(frozen=True)
-class Verdict:
+class Verdict(msgspec.Struct, frozen=True):
     restart: bool
     delay: float
     reason: str  # why, for the failure summary, event log and metrics
@@ -30,15 +29,14 @@ class Verdict:
     ceiling: float = 0.0  # the backoff's bound before jitter
 
 
-@dataclass(frozen=True)
-class RestartPolicy:
+class RestartPolicy(msgspec.Struct, frozen=True):
     """What to do after a failure. Defaults match torchrun: no backoff, no healing."""
 
     max_restarts: int = 0
     backoff_base: float = 0.0
     backoff_max: float = 0.0
     budget_window: float | None = None
-    no_restart_exit_codes: frozenset[int] = field(default_factory=frozenset)
+    no_restart_exit_codes: frozenset[int] = msgspec.field(default_factory=frozenset)
     restart_exit_codes: frozenset[int] | None = None  # allow-list; None allows all
 
     def healed(self, history: RestartHistory, now: float) -> RestartHistory:

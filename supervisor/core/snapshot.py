@@ -9,11 +9,11 @@ progress) and readers only read, so a busy FIFO does not republish snapshots.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+
+import msgspec
 
 
-@dataclass(frozen=True)
-class WorkerView:
+class WorkerView(msgspec.Struct, frozen=True):
     local_rank: int
     global_rank: int
     pid: int | None
@@ -24,8 +24,7 @@ class WorkerView:
     cpu_affinity: tuple[int, ...] | None = None
 
 
-@dataclass(frozen=True)
-class FailureView:
+class FailureView(msgspec.Struct, frozen=True):
     kind: str
     attempt: int
     local_rank: int | None
@@ -39,8 +38,7 @@ class FailureView:
     error_file: str | None = None
 
 
-@dataclass(frozen=True)
-class RendezvousView:
+class RendezvousView(msgspec.Struct, frozen=True):
     backend: str
     round: int = 0
     members: tuple[str, ...] = ()
@@ -49,8 +47,7 @@ class RendezvousView:
     last_duration: float | None = None
 
 
-@dataclass(frozen=True)
-class Snapshot:
+class Snapshot(msgspec.Struct, frozen=True):
     """What the supervisor looks like right now, as of ``published_at`` (monotonic)."""
 
     run_id: str
@@ -66,7 +63,7 @@ class Snapshot:
     started_at_wall: float
     workers: tuple[WorkerView, ...] = ()
     last_failure: FailureView | None = None
-    rendezvous: RendezvousView = field(default_factory=lambda: RendezvousView("static"))
+    rendezvous: RendezvousView = msgspec.field(default_factory=lambda: RendezvousView("static"))
     watchdog_enabled: bool = False
     progress_timeout: float = 60.0
     status_line: str = ""

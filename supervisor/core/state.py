@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import enum
 import signal
-from dataclasses import dataclass, field, replace
+
+import msgspec
+from msgspec.structs import replace
 
 from supervisor.core.policy import RestartHistory, RestartPolicy
 
@@ -52,8 +54,7 @@ class FailureKind(enum.Enum):
     RENDEZVOUS = "rendezvous"  # rendezvous could not complete
 
 
-@dataclass(frozen=True)
-class Failure:
+class Failure(msgspec.Struct, frozen=True):
     """One observed failure; the first one of an attempt is its root cause."""
 
     kind: FailureKind
@@ -95,28 +96,24 @@ def signal_name(signum: int) -> str:
 # ----------------------------------------------------------------------------- events
 
 
-@dataclass(frozen=True)
-class RendezvousComplete:
+class RendezvousComplete(msgspec.Struct, frozen=True):
     round: int
     world_size: int
     restart_count: int = 0  # job-wide failure restarts so far (all nodes)
 
 
-@dataclass(frozen=True)
-class RendezvousFailed:
+class RendezvousFailed(msgspec.Struct, frozen=True):
     message: str
     at: float
 
 
-@dataclass(frozen=True)
-class GroupLaunched:
+class GroupLaunched(msgspec.Struct, frozen=True):
     attempt: int
     local_ranks: frozenset[int]
     at: float
 
 
-@dataclass(frozen=True)
-class WorkerExited:
+class WorkerExited(msgspec.Struct, frozen=True):
     attempt: int
     local_rank: int
     pid: int
@@ -126,8 +123,7 @@ class WorkerExited:
     message: str = ""  # from the worker's error file, if it wrote one
 
 
-@dataclass(frozen=True)
-class DeadlineExpired:
+class DeadlineExpired(msgspec.Struct, frozen=True):
     attempt: int
     local_rank: int
     pid: int
@@ -136,8 +132,7 @@ class DeadlineExpired:
     at: float
 
 
-@dataclass(frozen=True)
-class WorkerUnhealthy:
+class WorkerUnhealthy(msgspec.Struct, frozen=True):
     attempt: int
     local_rank: int
     pid: int
@@ -145,37 +140,31 @@ class WorkerUnhealthy:
     at: float
 
 
-@dataclass(frozen=True)
-class RemoteFailure:
+class RemoteFailure(msgspec.Struct, frozen=True):
     """Another node failed or restarted the job (multi-node)."""
 
     message: str
     at: float
 
 
-@dataclass(frozen=True)
-class MembershipChanged:
+class MembershipChanged(msgspec.Struct, frozen=True):
     reason: str
 
 
-@dataclass(frozen=True)
-class ShutdownRequested:
+class ShutdownRequested(msgspec.Struct, frozen=True):
     signum: int
 
 
-@dataclass(frozen=True)
-class GroupStopped:
+class GroupStopped(msgspec.Struct, frozen=True):
     at: float
     jitter: float = 1.0  # a uniform draw in [0, 1] for the backoff's full jitter
 
 
-@dataclass(frozen=True)
-class BackoffElapsed:
+class BackoffElapsed(msgspec.Struct, frozen=True):
     pass
 
 
-@dataclass(frozen=True)
-class BarrierDone:
+class BarrierDone(msgspec.Struct, frozen=True):
     ok: bool = True
     message: str = ""
 
@@ -198,47 +187,39 @@ Event = (
 # -------------------------------------------------------------------------- decisions
 
 
-@dataclass(frozen=True)
-class Nothing:
+class Nothing(msgspec.Struct, frozen=True):
     """Record the event; nothing to carry out."""
 
 
-@dataclass(frozen=True)
-class StartRendezvous:
+class StartRendezvous(msgspec.Struct, frozen=True):
     pass
 
 
-@dataclass(frozen=True)
-class LaunchGroup:
+class LaunchGroup(msgspec.Struct, frozen=True):
     attempt: int
     restart_count: int
 
 
-@dataclass(frozen=True)
-class StopGroup:
+class StopGroup(msgspec.Struct, frozen=True):
     reason: StopReason
     signum: int = signal.SIGTERM
 
 
-@dataclass(frozen=True)
-class KillGroupNow:
+class KillGroupNow(msgspec.Struct, frozen=True):
     """Escalate an ongoing stop: SIGKILL everything at once."""
 
 
-@dataclass(frozen=True)
-class StartBackoff:
+class StartBackoff(msgspec.Struct, frozen=True):
     delay: float
     reason: str
     ceiling: float = 0.0  # the backoff's upper bound for this restart (before jitter)
 
 
-@dataclass(frozen=True)
-class EnterExitBarrier:
+class EnterExitBarrier(msgspec.Struct, frozen=True):
     pass
 
 
-@dataclass(frozen=True)
-class Exit:
+class Exit(msgspec.Struct, frozen=True):
     code: int
     reason: str
 
@@ -258,8 +239,7 @@ Decision = (
 # ------------------------------------------------------------------------------ state
 
 
-@dataclass(frozen=True)
-class State:
+class State(msgspec.Struct, frozen=True):
     """Everything the run loop decides on. Immutable; ``transition`` makes the next."""
 
     phase: Phase = Phase.RENDEZVOUS
@@ -271,7 +251,7 @@ class State:
     shutdown_requests: int = 0
     root_cause: Failure | None = None  # first failure of the current attempt
     last_failure: Failure | None = None  # kept across attempts for /status
-    history: RestartHistory = field(default_factory=RestartHistory)
+    history: RestartHistory = msgspec.field(default_factory=RestartHistory)
     exit_code: int | None = None
     last_decision_reason: str = ""
 

@@ -7,14 +7,13 @@ scale-up poller task. ``static`` is the embedded default (no server); ``etcd`` u
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
 from typing import Protocol
 
+import msgspec
 from anyio.abc import TaskStatus
 
 
-@dataclass(frozen=True)
-class RendezvousResult:
+class RendezvousResult(msgspec.Struct, frozen=True):
     """One completed round: this node's place in the job."""
 
     round: int
@@ -42,8 +41,7 @@ def free_port(addr: str = "127.0.0.1") -> int:
     return port
 
 
-@dataclass(frozen=True)
-class BarrierResult:
+class BarrierResult(msgspec.Struct, frozen=True):
     ok: bool
     message: str = ""
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 
 import anyio
 import anyio.abc
 import anyio.to_thread
-import psutil
+import msgspec
 
 from supervisor.core.state import WorkerUnhealthy
 from supervisor.workers.proctree import children
@@ -27,8 +26,7 @@ from supervisor.workers.proctree import children
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class DSample:
+class DSample(msgspec.Struct, frozen=True):
     """One process seen in D: the worker it belongs to and its context-switch count."""
 
     local_rank: int
@@ -77,6 +75,8 @@ def sample_d_state(workers: Mapping[int, int]) -> dict[int, DSample]:
 
     Blocking (reads ``/proc``): run it in a worker thread.
     """
+    import psutil  # here, not at the top: ~10 ms less before the first launch
+
     rank_of = _ranks_of_descendants(workers)
     found: dict[int, DSample] = {}
     for pid, rank in rank_of.items():

@@ -14,18 +14,17 @@ import select
 import signal
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 import anyio
 import anyio.abc
+import msgspec
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class HangDump:
+class HangDump(msgspec.Struct, frozen=True):
     """What to capture from a hung worker before it is signalled (``--hang-dump``)."""
 
     mode: str = "none"  # "none", "py-spy" or "signal"

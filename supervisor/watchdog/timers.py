@@ -24,6 +24,7 @@ from typing import Protocol
 
 import anyio
 import anyio.abc
+import msgspec
 
 from supervisor.core.deadlines import (
     DEFAULT_MAX_SCOPES_PER_PID,
@@ -57,12 +58,11 @@ ExpiredCallback = Callable[[DeadlineExpired], Awaitable[None]]
 # ----------------------------------------------------------------------- configuration
 
 
-@dataclass(frozen=True)
-class WatchdogConfig:
+class WatchdogConfig(msgspec.Struct, frozen=True):
     """How the watchdog escalates; the defaults suit production."""
 
     kill_grace: float = 5.0  # requested signal -> SIGKILL
-    hang_dump: HangDump = field(default_factory=HangDump)
+    hang_dump: HangDump = msgspec.field(default_factory=HangDump)
     dump_path: Callable[[int, int], Path | None] | None = None  # (local_rank, pid) -> file
     max_scopes_per_pid: int = DEFAULT_MAX_SCOPES_PER_PID
     log_interval: float = 10.0  # rejected requests: at most one log line per reason per interval

@@ -5,15 +5,15 @@ from __future__ import annotations
 import json
 import os
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 MAX_ERROR_FILE = 1 << 20  # a larger file is read only this far
 
 
-@dataclass(frozen=True)
-class ErrorReport:
+class ErrorReport(msgspec.Struct, frozen=True):
     message: str
     traceback: str = ""
     timestamp: float | None = None

@@ -22,9 +22,10 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from string import Template
 from typing import NamedTuple
+
+import msgspec
 
 OUT = 1  # torchrun's Std.OUT
 ERR = 2  # torchrun's Std.ERR
@@ -108,8 +109,7 @@ class Target(enum.Enum):
     PIPE = "pipe"  # read by the supervisor: file, and maybe a prefixed console copy
 
 
-@dataclass(frozen=True)
-class StreamRoute:
+class StreamRoute(msgspec.Struct, frozen=True):
     """The route of one stream (stdout or stderr) of one local rank."""
 
     target: Target

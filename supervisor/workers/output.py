@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import anyio
+import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from supervisor.workers.logs import (
@@ -198,8 +199,7 @@ def _write_all(send: Callable[[memoryview], int], data: memoryview) -> int:
     return total
 
 
-@dataclass(frozen=True)
-class _ConsoleWriter:
+class _ConsoleWriter(msgspec.Struct, frozen=True):
     """A non-blocking way to write to a console fd that leaves the fd's flags alone.
 
     O_NONBLOCK belongs to the open file description, which workers and the shell share:

@@ -19,12 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import anyio
+import msgspec
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
+class WorkerSpec(msgspec.Struct, frozen=True):
     """Everything needed to start one worker."""
 
     local_rank: int
@@ -37,8 +37,7 @@ class WorkerSpec:
     cpus: tuple[int, ...] | None = None  # CPU affinity (NUMA binding)
 
 
-@dataclass(frozen=True)
-class ExitStatus:
+class ExitStatus(msgspec.Struct, frozen=True):
     exit_code: int | None  # None when killed by a signal
     signal: int | None
     at: float  # monotonic time the exit was observed
