@@ -288,6 +288,8 @@ async def serve_when_launched(
     otherwise delay every worker's start. The socket is already bound and listening."""
     with anyio.move_on_after(SERVE_DEFER):
         await controller.launched.wait()
+    import psutil  # noqa: F401  -- the D-state sampler's: now, not in its first (idle) sample
+
     from supervisor.health.metrics import Metrics
     from supervisor.health.server import serve_health
 

@@ -508,8 +508,8 @@ class Controller:
         await anyio.sleep(STANDBY_DELAY)  # the group's own start-up first
         for worker in attempt.workers:
             rank = worker.local_rank
-            if self.attempt is not attempt or attempt.scope.cancel_called:
-                return
+            if self.attempt is not attempt or self.state.phase is not sm.Phase.RUNNING:
+                return  # stopping: a standby started now could be taken for debris and swept
             if rank in self.standbys or not Standby.accepts(self._prefix, worker.spec.argv):
                 continue
             try:

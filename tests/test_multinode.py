@@ -482,9 +482,12 @@ async def test_exhausted_budget_fails_every_node(tmp_path: Path, server: EtcdMem
     assert sorted(codes)[-1] == 7 and codes.count(7) == 1  # the root cause's node
     assert 0 not in codes, codes
     assert closed["ok"] is False and "budget exhausted" in closed["reason"]
-    for node in nodes:
-        counts = [e["restart_count"] for e in node.events("group_started")]
-        assert counts[-1] == 1, counts  # every node's second attempt saw the job-wide count
+    starts = [[e["restart_count"] for e in node.events("group_started")] for node in nodes]
+    # every second attempt saw the job-wide count; a node still on its way to the second
+    # attempt when the job closed (the failing rank can fail again within milliseconds of
+    # a warm restart) rightly never launches it
+    assert all(counts in ([0, 1], [0]) for counts in starts), starts
+    assert starts.count([0, 1]) >= 1, starts
 
 
 @etcd

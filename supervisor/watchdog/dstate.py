@@ -75,7 +75,7 @@ def sample_d_state(workers: Mapping[int, int]) -> dict[int, DSample]:
 
     Blocking (reads ``/proc``): run it in a worker thread.
     """
-    import psutil  # here, not at the top: ~10 ms less before the first launch
+    import psutil  # not at the top: ~10 ms less before the first launch (app.py loads it after)
 
     rank_of = _ranks_of_descendants(workers)
     found: dict[int, DSample] = {}
