@@ -55,10 +55,6 @@ from supervisor.workers.stop import stop_group
 
 logger = logging.getLogger(__name__)
 
-# seconds after a launch before the standbys of the next attempt start: the group's own
-# interpreters start first (on a small machine they would otherwise share the CPUs)
-STANDBY_DELAY = 0.0
-
 
 # ------------------------------------------------------------------- inbox commands
 
@@ -465,7 +461,9 @@ class Controller:
             self._post(sm.WorkerExited(decision.attempt, local_rank, 0, 127, None, now, message))
         self._launched_once.set()
         if self._restart_possible(decision.restart_count):
-            self._tg.start_soon(self._prepare_standbys, attempt)
+            # now, before any event of this attempt is handled: a stop that began first
+            # would take a newer standby for debris and sweep it
+            self._prepare_standbys(attempt)
 
     def _spawn(self, attempt: Attempt, local_rank: int) -> Worker:
         rank_dir = attempt.directory / str(local_rank)
@@ -503,13 +501,10 @@ class Controller:
             return False
         return self.settings.rdzv_backend != "static" or restart_count < self.settings.max_restarts
 
-    async def _prepare_standbys(self, attempt: Attempt) -> None:
+    def _prepare_standbys(self, attempt: Attempt) -> None:
         """Start a standby interpreter for every local rank whose command can run warm."""
-        await anyio.sleep(STANDBY_DELAY)  # the group's own start-up first
         for worker in attempt.workers:
             rank = worker.local_rank
-            if self.attempt is not attempt or self.state.phase is not sm.Phase.RUNNING:
-                return  # stopping: a standby started now could be taken for debris and swept
             if rank in self.standbys or not Standby.accepts(self._prefix, worker.spec.argv):
                 continue
             try:
@@ -524,7 +519,6 @@ class Controller:
             if self.guardian is not None:
                 self.guardian.watch(standby.pid)
             logger.debug("standby for local rank %d started as pid %d", rank, standby.pid)
-            await anyio.sleep(0)  # a probe or an exit in between is served first
 
     @property
     def _prefix(self) -> list[str]:

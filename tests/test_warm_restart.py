@@ -37,7 +37,7 @@ def load(out: Path, restart: int, rank: int) -> dict[str, object]:
     return record
 
 
-@pytest.mark.parametrize("form", ["script", "module", "run-path"])
+@pytest.mark.parametrize("form", ["script", "module", "run-path", "script-safe-path"])
 async def test_warm_worker_sees_what_a_cold_one_sees(tmp_path: Path, form: str) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -49,7 +49,8 @@ async def test_warm_worker_sees_what_a_cold_one_sees(tmp_path: Path, form: str) 
         target = ["--run-path", PROBE] if form == "run-path" else [PROBE]
     args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(logs),
             "--redirects", "1", *target, str(out)]
-    async with supervisor(args, cwd=tmp_path) as sup:
+    env = {"PYTHONSAFEPATH": "1"} if form.endswith("safe-path") else {}
+    async with supervisor(args, env=env, cwd=tmp_path) as sup:
         standbys = [int((await sup.err.expect(STANDBY_LINE)).group(2)) for _ in range(2)]
         assert await sup.wait() == 0
     # restart 0 ran cold and failed; restart 1 ran in the standbys and succeeded

@@ -90,7 +90,8 @@ def _standby():
         if argv[0] == "-m":
             import runpy
             sys.argv[:] = ["-m", *argv[2:]]
-            sys.path[0] = os.getcwd()
+            if not sys.flags.safe_path:  # -P / PYTHONSAFEPATH: Python prepends nothing
+                sys.path[0] = os.getcwd()
             runpy._run_module_as_main(argv[1])
         else:
             if argv[0] == "-c":
@@ -100,7 +101,8 @@ def _standby():
                 path = argv[0]
                 full = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
                 sys.argv[:] = argv
-                sys.path[0] = os.path.dirname(os.path.realpath(path))
+                if not sys.flags.safe_path:
+                    sys.path[0] = os.path.dirname(os.path.realpath(path))
                 try:
                     with open(full, "rb") as f:
                         source = f.read()
