@@ -201,8 +201,17 @@ class Usage:
             fds=len(os.listdir(f"/proc/{pid}/fd")),
             threads=len(os.listdir(f"/proc/{pid}/task")),
             rss_mb=proc.memory_info().rss / 1e6,
-            children=len(proc.children()),
+            # standbys come and go with attempts (one per rank while a restart is possible)
+            children=len([c for c in proc.children() if not is_standby(c)]),
         )
+
+
+def is_standby(proc: psutil.Process) -> bool:
+    """A pre-started interpreter waiting for the next attempt's worker (warm restarts)."""
+    try:
+        return "_standby()" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False
 
 
 @dataclass
@@ -534,9 +543,11 @@ class Chaos:
         self.port = int(self.board.events_named("health_listening")[0]["port"])
 
     def find_guardian(self) -> int:
-        """The supervisor's one child that is not a worker (call while the group is up)."""
+        """The supervisor's one child that is neither a worker nor a standby interpreter
+        (call while the group is up)."""
         workers = {pid for group in self.board.ready.values() for pid, _ in group.values()}
-        others = [c.pid for c in psutil.Process(self.pid).children() if c.pid not in workers]
+        others = [c.pid for c in psutil.Process(self.pid).children()
+                  if c.pid not in workers and not is_standby(c)]
         if len(others) != 1:
             raise RuntimeError(f"expected one guardian process, found {others}")
         return others[0]

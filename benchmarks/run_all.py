@@ -172,6 +172,19 @@ def table(res: dict[str, Any], cfg: argparse.Namespace) -> str:
             f"| … supervisor process RSS alongside them "
             f"| {sb['supervisor_rss'] / 2**20:.1f} MiB | | | | |")
     out = "\n".join(rows)
+    notes = []
+    if "crash" in res:
+        notes.append(
+            "Our restarts are warm (docs/design.md, *standby*): each local rank's next worker "
+            "runs in an interpreter started while the previous attempt ran. \"Launcher CPU "
+            "per restart\" leaves out that interpreter's start-up, as it leaves out the "
+            "start-up of torchrun's workers: it is the worker's own, paid once per worker "
+            "by both launchers.")
+    if "launch" in res or "crash" in res:
+        notes.append(
+            "Our package's bytecode is compiled before the run (`harness.ensure_bytecode`), "
+            "as `pip install` does for a regular install and as torch's is.")
+    out += "".join(f"\n\n{n}" for n in notes)
     phases = _phase_table(res)
     return out + ("\n\n" + phases if phases else "")
 
