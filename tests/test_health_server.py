@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import socket
 import time
@@ -24,7 +25,7 @@ from supervisor.core.policy import RestartPolicy
 from supervisor.core.snapshot import ProgressTable, RendezvousView, Snapshot, WorkerView
 from supervisor.health.looplag import LoopLag
 from supervisor.health.metrics import Metrics
-from supervisor.health.server import load_openapi, serve_health
+from supervisor.health.server import MAX_CONNECTIONS, load_openapi, serve_health
 
 PATHS = ["/healthz", "/readyz", "/status", "/metrics", "/openapi.json"]
 
@@ -596,3 +597,36 @@ def test_schemathesis_finds_no_contract_violation(threaded_server: str) -> None:
             case.call_and_validate(base_url=threaded_server)
 
         check()
+
+
+# ------------------------------------------------------------------------ slow clients
+
+
+async def test_slow_clients_are_closed_and_cannot_keep_probes_out() -> None:
+    """Connections that never finish a request (slowloris) fill the connection cap; after
+    the request deadline they are closed and a probe gets through again."""
+    h = Harness()
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            _, port = await tg.start(functools.partial(
+                serve_health, "127.0.0.1", 0, h.current, h.progress, h.metrics,
+                h.current_lag, request_deadline=0.5))
+            slow = []
+            for _ in range(MAX_CONNECTIONS):
+                stream = await anyio.connect_tcp("127.0.0.1", port)
+                await stream.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished
+                slow.append(stream)
+            # the cap is full: a probe's connection is closed unanswered
+            probe = await anyio.connect_tcp("127.0.0.1", port)
+            await probe.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                await probe.receive()
+            await probe.aclose()
+            for stream in slow:  # each is closed by the server (EOF), none answered
+                with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                    await stream.receive()
+                await stream.aclose()
+            async with (aiohttp.ClientSession() as client,
+                        client.get(f"http://127.0.0.1:{port}/healthz") as resp):
+                assert resp.status == 200
+            tg.cancel_scope.cancel()

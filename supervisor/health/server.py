@@ -46,6 +46,11 @@ CLEANUP_TIMEOUT = 5.0
 SHUTDOWN_TIMEOUT = 1.0  # in-flight requests are tiny; do not hold a stop for them
 MAX_REQUEST_BODY = 1024  # nothing is ever read from a body
 MAX_CONNECTIONS = 64  # probes and scrapers need a handful; the rest go to the workers
+# seconds a connection has to deliver a complete request, from its opening or from its last
+# response: a slow or silent client (slowloris) is closed, so it cannot hold one of the
+# MAX_CONNECTIONS slots for long. Probes send their request at once; an idle keep-alive
+# connection is closed after this too (aiohttp's keep-alive timer enforces both).
+REQUEST_DEADLINE = 10.0
 SERVER_NAME = "elastic-supervisor"
 _COMMON_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"}
 
@@ -182,6 +187,7 @@ async def serve_health(
     *,
     max_loop_lag: float = health.DEFAULT_MAX_LOOP_LAG,
     sock: socket.socket | None = None,
+    request_deadline: float = REQUEST_DEADLINE,
     task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the health endpoints until cancelled; started with the bound ``(host, port)``.
@@ -196,6 +202,7 @@ async def serve_health(
         access_log=None,
         shutdown_timeout=SHUTDOWN_TIMEOUT,
         logger=http_logger,
+        keepalive_timeout=request_deadline,
     )
     await runner.setup()
     assert runner.server is not None
