@@ -56,7 +56,24 @@ def describe() -> dict[str, object]:
                     (signal.SIGINT, signal.SIGTERM, signal.SIGPIPE, signal.SIGUSR1)},
         "env": dict(os.environ),
         "fds": sorted(int(n) for n in os.listdir("/proc/self/fd")),
+        "spawned_child": spawned_child(),
     }
+
+
+def square(x: int) -> int:
+    return x * x
+
+
+def spawned_child() -> str:
+    """What multiprocessing's spawn (torch DataLoader workers use it) makes of our __main__:
+    the child re-imports the main script and unpickles a function defined in it."""
+    import multiprocessing
+
+    try:
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            return repr(pool.apply(square, (7,)))
+    except Exception as exc:  # the same failure, cold or warm, is fine too
+        return type(exc).__name__
 
 
 def boom(rank: int) -> None:
