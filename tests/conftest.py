@@ -100,8 +100,10 @@ async def supervisor(
     args: Sequence[str],
     env: dict[str, str] | None = None,
     cwd: str | Path | None = None,
+    launcher: Sequence[str] | None = None,
 ) -> AsyncIterator[Supervised]:
-    """Start ``python -m supervisor run ARGS``; kill it (and wait) on the way out.
+    """Start ``python -m supervisor run ARGS`` (or ``launcher`` + ARGS, e.g. through a
+    ``setpriv`` that drops to another user); kill it (and wait) on the way out.
 
     systemd's variables are never inherited from the test's own environment; a test of
     sd_notify passes its own NOTIFY_SOCKET in ``env``.
@@ -111,7 +113,8 @@ async def supervisor(
         full_env.pop(key, None)
     full_env.update(env or {})
     full_env.setdefault("PYTHONUNBUFFERED", "1")
-    cmd = [sys.executable, "-m", "supervisor", "run", *args]
+    head = [sys.executable, "-m", "supervisor", "run"] if launcher is None else launcher
+    cmd = [*head, *args]
     process = await anyio.open_process(cmd, env=full_env, cwd=cwd)
     sup = Supervised(process)
     async with anyio.create_task_group() as tg:

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import signal
+import site
 import socket
 import struct
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import aiohttp
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import FAKE_WORKER, Supervised, supervisor
+from tests.conftest import FAKE_WORKER, REPO, Supervised, supervisor, wait_dead
 
 
 async def health_url(sup: Supervised) -> str:
@@ -151,3 +157,74 @@ async def test_status_command_reads_a_live_supervisor(tmp_path: Path) -> None:
         assert table.returncode == 0 and b"running" in table.stdout
         sup.signal(signal.SIGTERM)
         assert await sup.wait() == 143
+
+
+NOBODY = 65534
+
+
+def _uid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Uid:"))
+
+
+def _as_nobody(setpriv: str, python: str, env: dict[str, str]) -> bool:
+    """Whether ``python``, run as nobody, is a Python of this minor version with our
+    dependencies importable (an interpreter installed under a 0700 home, like pyenv's
+    under ``/root``, is not usable by another user)."""
+    probe = ("import subprocess, sys, anyio, msgspec, psutil, aiohttp\n"
+             "subprocess.run([sys.executable, '-c', 'pass'], check=True)  # it spawns workers\n"
+             "print(sys.version_info[:2])")
+    try:
+        out = subprocess.run(
+            [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
+             python, "-c", probe], env=env, capture_output=True, text=True, timeout=60)
+    except OSError:
+        return False
+    return out.returncode == 0 and out.stdout.strip() == str(sys.version_info[:2])
+
+
+async def test_unprivileged_service_user_restarts_and_stops_cleanly() -> None:
+    """docs/deploy.md runs the unit as an unprivileged user. As ``nobody``: the supervisor,
+    its workers and standbys run as that user, a failure restarts the group (warm), the
+    health endpoint answers, SIGTERM stops it all and leaves no process behind."""
+    assert os.geteuid() == 0, "run the tests as root (CI does) to drop to nobody"
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "util-linux setpriv is needed to drop to nobody"
+    # our dependencies and this checkout, for an interpreter nobody can run
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*site.getsitepackages(), str(REPO)])}
+    minor = ".".join(map(str, sys.version_info[:2]))
+    candidates = [sys.executable, os.path.realpath(sys.executable), f"/usr/bin/python{minor}"]
+    python = next((p for p in candidates if _as_nobody(setpriv, p, env)), None)
+    assert python, f"no Python {minor} among {candidates} that nobody can run"
+    launcher = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
+                python, "-m", "supervisor", "run"]
+    with tempfile.TemporaryDirectory(prefix="unprivileged-", dir="/tmp") as base:
+        os.chown(base, NOBODY, NOBODY)  # pytest's tmp_path is in root's private directory
+        logs = Path(base) / "logs"
+        args = ["--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "2",
+                "--log-dir", str(logs), "--log-level", "debug", FAKE_WORKER, "--usr1-exit", "3",
+                "--fail-rank", "0", "--fail-attempts", "1", "--trap", "1"]
+        async with supervisor(args, env={"PYTHONPATH": env["PYTHONPATH"]},
+                              launcher=launcher) as sup:
+            url = await health_url(sup)
+            first = [int((await sup.out.expect(r"^ready \d (\d+) 0$")).group(1))
+                     for _ in range(2)]
+            standbys = [int((await sup.err.expect(STANDBY)).group(1)) for _ in range(2)]
+            assert {_uid(p) for p in [sup.pid, *first, *standbys]} == {NOBODY}
+            assert (await get(url + "/readyz"))[0] == 200
+            sup.signal(signal.SIGUSR1)  # forwarded: rank 0 exits 3, the group restarts
+            second = [int((await sup.out.expect(r"^ready \d (\d+) 1$")).group(1))
+                      for _ in range(2)]
+            assert sorted(second) == sorted(standbys)  # the restart ran in the standbys
+            assert (await get(url + "/readyz"))[0] == 200
+            sup.signal(signal.SIGTERM)
+            assert await sup.wait() == 128 + signal.SIGTERM
+        every_standby = [int(pid) for pid in re.findall(STANDBY, sup.err.text())]
+        assert len(every_standby) == 4  # the third attempt's were never used
+        await wait_dead([*first, *second, *every_standby], timeout=5.0)
+        events = [json.loads(line)
+                  for line in (logs / "none" / "events.jsonl").read_text().splitlines()]
+        assert [e.get("warm") for e in events if e["event"] == "group_started"] == [None, [0, 1]]
+
+
+STANDBY = r"standby for local rank \d started as pid (\d+)"
