@@ -44,7 +44,11 @@ def fail_first_attempt() -> tuple[int, int]:
 
 
 def hang_with_pid(pid_dir: str) -> None:
-    Path(pid_dir, os.environ["RANK"]).write_text(str(os.getpid()))
+    # written whole beside the directory, then renamed into it: a reader of the directory
+    # never sees a file that is empty or not yet complete
+    tmp = Path(pid_dir).parent / f"pid-{os.environ['RANK']}.tmp"
+    tmp.write_text(str(os.getpid()))
+    tmp.rename(Path(pid_dir, os.environ["RANK"]))
     time.sleep(3600)
 
 
