@@ -208,8 +208,10 @@ class Usage:
 
 def is_standby(proc: psutil.Process) -> bool:
     """A pre-started interpreter waiting for the next attempt's worker (warm restarts)."""
+    from supervisor.workers.standby import is_standby_command
+
     try:
-        return "_standby()" in " ".join(proc.cmdline())
+        return is_standby_command(proc.cmdline())
     except psutil.Error:
         return False
 

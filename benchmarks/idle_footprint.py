@@ -37,6 +37,8 @@ from harness import (
     uss_bytes,
 )
 
+from supervisor.workers.standby import is_standby_command
+
 
 @dataclass(frozen=True)
 class Footprint:
@@ -90,7 +92,7 @@ def standby_cost(workers: int, settle: float) -> dict[str, float]:
         j.start()
         j.wait_up(0, workers, timeout=120.0)
         time.sleep(settle)
-        standbys = [p for p in j.helpers(0) if "_standby()" in " ".join(_cmdline(p))]
+        standbys = [p for p in j.helpers(0) if is_standby_command(_cmdline(p))]
         me = [psutil.Process(j.pid)]
         return {"count": len(standbys), "rss": rss_bytes(standbys), "uss": uss_bytes(standbys),
                 "supervisor_rss": rss_bytes(me)}

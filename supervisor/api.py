@@ -45,6 +45,7 @@ import msgspec
 from supervisor.app import check_runnable, supervise
 from supervisor.config import ConfigError, Settings, build
 from supervisor.controller import CommandFor, settings_command
+from supervisor.core.envs import interpreter
 from supervisor.workers import bootstrap
 from supervisor.workers.errorfile import read_error_file
 from supervisor.workers.topology import cpus_for
@@ -225,7 +226,7 @@ class CallableJob:
     def _command(self, local_rank: int, global_rank: int, rank_dir: Path) -> list[str]:
         result = self.result_path(local_rank, rank_dir)
         result.parent.mkdir(mode=0o700, exist_ok=True)
-        return [self.python, "-u", "-m", BOOTSTRAP, str(self.payload), str(result),
+        return [*interpreter(self.python), "-m", BOOTSTRAP, str(self.payload), str(result),
                 str(local_rank)]
 
     def results(self) -> dict[int, Any]:

@@ -28,7 +28,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from supervisor.config import Settings
 from supervisor.core import state as sm
-from supervisor.core.envs import GroupLayout, worker_argv, worker_env
+from supervisor.core.envs import GroupLayout, interpreter, worker_argv, worker_env
 from supervisor.core.policy import RestartPolicy
 from supervisor.core.snapshot import (
     FailureView,
@@ -505,7 +505,8 @@ class Controller:
         """Start a standby interpreter for every local rank whose command can run warm."""
         for worker in attempt.workers:
             rank = worker.local_rank
-            if rank in self.standbys or not Standby.accepts(self._prefix, worker.spec.argv):
+            if rank in self.standbys or not Standby.accepts(interpreter(self._python),
+                                                             worker.spec.argv):
                 continue
             try:
                 standby = spawn_standby(
@@ -519,10 +520,6 @@ class Controller:
             if self.guardian is not None:
                 self.guardian.watch(standby.pid)
             logger.debug("standby for local rank %d started as pid %d", rank, standby.pid)
-
-    @property
-    def _prefix(self) -> list[str]:
-        return [self._python, "-u"]
 
     def _warm_start(self, spec: WorkerSpec) -> Worker | None:
         """Start the worker in its rank's standby; None if there is none or it cannot."""

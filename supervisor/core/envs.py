@@ -101,6 +101,11 @@ def default_omp_threads(base: Mapping[str, str], local_world_size: int) -> dict[
     return {**base, "OMP_NUM_THREADS": "1"}
 
 
+def interpreter(python: str) -> list[str]:
+    """How a worker's Python is invoked, before the script: unbuffered, as torchrun does."""
+    return [python, "-u"]
+
+
 def worker_argv(
     python: str,
     script: str,
@@ -115,11 +120,11 @@ def worker_argv(
     if no_python:
         head = [script]
     elif run_path:
-        head = [python, "-u", "-c", _RUN_PATH, script]
+        head = [*interpreter(python), "-c", _RUN_PATH, script]
     elif module:
-        head = [python, "-u", "-m", script]
+        head = [*interpreter(python), "-m", script]
     else:
-        head = [python, "-u", script]
+        head = [*interpreter(python), script]
     tail = [Template(a).safe_substitute(local_rank=str(local_rank)) for a in args]
     return [*head, *tail]
 

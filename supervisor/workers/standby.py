@@ -38,6 +38,7 @@ import socket
 import time
 from collections.abc import Sequence
 
+from supervisor.core.envs import interpreter
 from supervisor.workers.spawn import DeathSignal, Worker, WorkerSpec, spawn_worker
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,6 @@ def _standby():
     main.clear()
     main.update(initial)
     del initial
-    code = None
     try:
         if argv[0] == "-m":
             import runpy
@@ -207,7 +207,7 @@ def spawn_standby(
     cpus: tuple[int, ...] | None = None,
 ) -> Standby:
     """Start the standby of one local rank. Raises OSError if it cannot be started."""
-    prefix = [python, "-u"]
+    prefix = interpreter(python)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         spec = WorkerSpec(local_rank, -1, [*prefix, "-c", STANDBY_CODE], env, cwd=cwd, cpus=cpus)
@@ -218,6 +218,11 @@ def spawn_standby(
     finally:
         theirs.close()
     return Standby(process, ours, prefix)
+
+
+def is_standby_command(argv: Sequence[str]) -> bool:
+    """Whether a process's command line is a standby's (for tools that list our children)."""
+    return STANDBY_CODE in argv
 
 
 def discard_all(standbys: dict[int, Standby]) -> list[int]:
