@@ -13,6 +13,7 @@ import os
 import signal
 import stat
 import sys
+import time
 
 _MODULES_AT_START = sorted(sys.modules)  # before this script imported anything else of its own
 
@@ -89,6 +90,12 @@ if __name__ == "__main__":
         json.dump(describe(), f)
     os.replace(path + ".tmp", path)
     print(f"probed {rank} {restart}", flush=True)
+    # no rank ends the attempt (and so has its siblings stopped) before all have recorded
+    world = int(os.environ["WORLD_SIZE"])
+    records = [os.path.join(out_dir, f"{restart}_{r}.json") for r in range(world)]
+    deadline = time.monotonic() + 60
+    while not all(map(os.path.exists, records)) and time.monotonic() < deadline:
+        time.sleep(0.01)
     if sys.argv[2:] == ["raise"]:
         boom(rank)
     sys.exit(1 if restart == 0 else 0)
