@@ -81,6 +81,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     hang_dump: str = "none"
     hang_state_timeout: float = 60.0
     no_warm_restart: bool = False  # restarted workers start in pre-started interpreters
+    preload: list[str] = msgspec.field(default_factory=list)  # modules standbys import
+    preload_after: float = 5.0  # standbys preload once every rank progressed, or after this
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -105,7 +107,7 @@ _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False, "": False}
 _LIST_FIELDS = {
     "training_script_args", "no_restart_exit_codes", "restart_exit_codes",
-    "duplicate_stdout_filters", "duplicate_stderr_filters",
+    "duplicate_stdout_filters", "duplicate_stderr_filters", "preload",
 }
 
 
@@ -252,6 +254,10 @@ def validate(s: Settings) -> None:
     for name in filter(None, (n.strip() for n in s.signals_to_handle.split(","))):
         known = name in signal.Signals.__members__
         checks.append((known, f"signals_to_handle: unknown signal {name!r}"))
+    for module in s.preload:
+        ok = all(part.isidentifier() for part in module.split("."))
+        checks.append((ok, f"preload: {module!r} is not a module name (e.g. torch,torch._dynamo)"))
+    checks.append((s.preload_after >= 0, "preload_after: must be >= 0 seconds"))
     for code in (*s.no_restart_exit_codes, *(s.restart_exit_codes or ())):
         checks.append((0 <= code <= 255, f"no_restart_exit_codes: {code} is not an exit code"))
     for ok, message in checks:

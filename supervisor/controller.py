@@ -10,14 +10,10 @@ always stays responsive (a second SIGTERM during a stop escalates at once).
 from __future__ import annotations
 
 import logging
-import os
 import random
-import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -28,7 +24,6 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from supervisor.config import Settings
 from supervisor.core import state as sm
-from supervisor.core.envs import GroupLayout, interpreter, worker_argv, worker_env
 from supervisor.core.policy import RestartPolicy
 from supervisor.core.snapshot import (
     FailureView,
@@ -39,19 +34,19 @@ from supervisor.core.snapshot import (
 )
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import Rendezvous, RendezvousError, RendezvousResult
-from supervisor.workers.errorfile import read_error_file
+from supervisor.workers.group import (
+    Attempt,
+    CommandFor,
+    CpusFor,
+    WorkerGroup,
+    settings_command,
+)
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.output import OutputPlan
-from supervisor.workers.spawn import (
-    DeathSignal,
-    Worker,
-    WorkerSpec,
-    signal_workers,
-    spawn_worker,
-    wait_exit,
-)
-from supervisor.workers.standby import Standby, discard_all, spawn_standby
-from supervisor.workers.stop import stop_group
+from supervisor.workers.spawn import Worker, signal_workers
+
+__all__ = ["Attempt", "CommandFor", "Controller", "CpusFor", "ForwardSignal", "Observer",
+           "ReopenLogs", "SnapshotHub", "settings_command"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +65,6 @@ class ReopenLogs(msgspec.Struct, frozen=True):
 
 
 Command = ForwardSignal | ReopenLogs
-# (local_rank, global_rank, rank_dir) -> argv of that rank's worker
-CommandFor = Callable[[int, int, Path], list[str]]
-# local_rank -> CPUs to bind the worker to, or None
-CpusFor = Callable[[int], tuple[int, ...] | None]
 # wraps a shutdown stop (e.g. asks systemd for more time while the grace runs)
 StopGuard = Callable[[], AbstractAsyncContextManager[None]]
 Inbox = MemoryObjectReceiveStream[sm.Event | Command]
@@ -90,23 +81,6 @@ class Observer(Protocol):
     def on_launch(self, attempt: Attempt) -> None: ...
 
     def on_stopped(self, attempt: Attempt) -> None: ...
-
-
-@dataclass(eq=False)
-class Attempt:
-    """One incarnation of the worker group."""
-
-    number: int
-    dir_index: int
-    directory: Path
-    round: RendezvousResult
-    layout: GroupLayout
-    workers: list[Worker] = field(default_factory=list)
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    kill_now: anyio.Event = field(default_factory=anyio.Event)
-
-    def error_file(self, local_rank: int) -> Path:
-        return self.directory / str(local_rank) / "error.json"
 
 
 class SnapshotHub:
@@ -160,14 +134,9 @@ class Controller:
         self.hub = hub
         self.log_root = log_root
         self.output = output
-        self.environ = dict(environ)
         self.timer_file = timer_file
         self.guardian = guardian
-        self.sweep_adopted = sweep_adopted
-        self.exempt_pids = set(exempt_pids)
         self.observers = list(observers)
-        self.command = command or settings_command(settings, self.environ)
-        self.cpus = cpus or (lambda local_rank: None)
         self.progress = progress or ProgressTable()
         self.stop_guard = stop_guard
         self.started = time.monotonic()
@@ -188,18 +157,23 @@ class Controller:
             ),
         )
         self.state = sm.State()
-        self.attempt: Attempt | None = None
         self.round: RendezvousResult | None = None
-        self.death = DeathSignal()
-        self._dir_base = _next_attempt_index(log_root / run_id)
+        self.group = WorkerGroup(
+            settings, run_id=run_id, events=events, log_root=log_root, output=output,
+            environ=environ, timer_file=timer_file, post=self._post, guardian=guardian,
+            sweep_adopted=sweep_adopted, exempt_pids=exempt_pids, command=command, cpus=cpus,
+        )
         self._action = anyio.CancelScope()
         self._tg: TaskGroup | None = None
         self._send: Outbox | None = None
         self._rng = random.Random()
         self._started_wall = time.time()
         self._launched_once = anyio.Event()
-        self.standbys: dict[int, Standby] = {}  # local rank -> its warm interpreter
-        self._python = self.environ.get("PYTHON_EXEC", sys.executable)
+
+    @property
+    def attempt(self) -> Attempt | None:
+        """The current (or last) attempt of the worker group."""
+        return self.group.attempt
 
     # ------------------------------------------------------------------ main loop
     async def run(self, inbox: Inbox, outbox: Outbox) -> int:
@@ -219,36 +193,10 @@ class Controller:
                         break
                 tg.cancel_scope.cancel()
         finally:
-            await self._release_workers()
-            self._discard_standbys()
+            await self.group.release()
+            self.group.discard_standbys()
         self._summarise()
         return self.state.exit_code if self.state.exit_code is not None else 1
-
-    async def _release_workers(self) -> None:
-        """Leave no worker, zombie or pidfd behind (the embedded API outlives us).
-
-        After a success the workers exited by themselves and were never stopped; when
-        cancelled (an embedded caller gave up) they may still run. Either way the usual
-        stop (TERM, grace, KILL, sweep, reap) finishes them, at once for exited ones.
-        """
-        attempt = self.attempt
-        unreaped = [w for w in attempt.workers if not w.reaped] if attempt else []
-        if attempt is None or not unreaped:
-            return
-        with anyio.CancelScope(shield=True):
-            async with anyio.create_task_group() as tg:
-                for worker in unreaped:
-                    if not worker.exited.is_set():  # its monitor was cancelled
-                        tg.start_soon(_mark_exited, worker)
-                await stop_group(
-                    unreaped, signum=signal.SIGTERM, grace=self.settings.shutdown_timeout,
-                    kill_now=attempt.kill_now, sweep_adopted=self.sweep_adopted,
-                    exempt=self._exempt(),
-                )
-                tg.cancel_scope.cancel()
-            for worker in unreaped:
-                if worker.reaped and self.guardian is not None:
-                    self.guardian.forget(worker.pid)
 
     def attach_late(self, observer: Observer) -> None:
         """Add an observer and replay to it every transition made so far."""
@@ -412,37 +360,13 @@ class Controller:
     # ------------------------------------------------------------------ the group
     def _launch(self, decision: sm.LaunchGroup) -> None:
         assert self.round is not None and self._tg is not None
-        rnd = self.round
-        dir_index = self._dir_base + decision.attempt - 1
-        layout = GroupLayout(
-            run_id=self.run_id,
-            role=self.settings.role,
-            local_world_size=self.settings.local_world_size,
-            group_rank=rnd.group_rank,
-            group_world_size=rnd.group_world_size,
-            rank_offset=rnd.rank_offset,
-            world_size=rnd.world_size,
-            master_addr=rnd.master_addr,
-            master_port=rnd.master_port,
-            restart_count=decision.restart_count,
-            max_restarts=self.settings.max_restarts,
-            virtual_local_rank=self.settings.virtual_local_rank,
-        )
-        attempt = Attempt(
-            decision.attempt, dir_index, self.log_root / self.run_id / f"attempt_{dir_index}",
-            rnd, layout,
-        )
-        self.attempt = attempt
-        self.events.attempt = decision.attempt
+        group = self.group
         self.progress.reset(decision.attempt)
-        failed_to_start: list[tuple[int, str]] = []
-        for local_rank in range(layout.local_world_size):
-            try:
-                attempt.workers.append(self._spawn(attempt, local_rank))
-            except OSError as exc:
-                logger.error("cannot start local rank %d: %s", local_rank, exc)
-                failed_to_start.append((local_rank, str(exc)))
-        self._tg.start_soon(self._attempt_tasks, attempt)
+        self.events.attempt = decision.attempt
+        attempt, failed_to_start = group.launch(decision.attempt, decision.restart_count,
+                                                self.round)
+        self._tg.start_soon(group.supervise, attempt, self._watch_membership)
+        layout = attempt.layout
         self.events.emit(
             "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
             pids={w.local_rank: w.pid for w in attempt.workers},
@@ -460,119 +384,43 @@ class Controller:
         for local_rank, message in failed_to_start:
             self._post(sm.WorkerExited(decision.attempt, local_rank, 0, 127, None, now, message))
         self._launched_once.set()
-        if self._restart_possible(decision.restart_count):
-            # now, before any event of this attempt is handled: a stop that began first
-            # would take a newer standby for debris and sweep it
-            self._prepare_standbys(attempt)
+        if group.restart_possible(decision.restart_count):
+            if group.preloading:
+                self._tg.start_soon(self._preload_standbys, attempt)
+            else:  # planned now, before any event of this attempt is handled
+                self._tg.start_soon(group.start_standbys, group.plan_standbys(attempt))
 
-    def _spawn(self, attempt: Attempt, local_rank: int) -> Worker:
-        rank_dir = attempt.directory / str(local_rank)
-        rank_dir.mkdir(parents=True, exist_ok=True)
-        error_file = attempt.error_file(local_rank)
-        env = worker_env(
-            self.environ, attempt.layout, local_rank,
-            error_file=str(error_file), timer_file=self.timer_file,
-        )
-        global_rank = attempt.layout.rank_offset + local_rank
-        argv = self.command(local_rank, global_rank, rank_dir)
-        stdout, stderr = self.output.open_rank(
-            attempt.dir_index, rank_dir, local_rank, global_rank,
-            restart_count=attempt.layout.restart_count,
-        )
-        spec = WorkerSpec(
-            local_rank, global_rank, argv, env, stdout, stderr, cpus=self.cpus(local_rank)
-        )
+    async def _preload_standbys(self, attempt: Attempt) -> None:
+        """Preloading standbys for the next attempt, once this one has resumed.
+
+        A standby that imports a framework costs seconds of CPU: started at once, it would
+        compete with the very ranks that are resuming. So they start when every rank has
+        shown progress in this attempt, or ``preload_after`` seconds after the launch for
+        a job that shows none (their imports run at idle CPU priority in any case)."""
+        with anyio.move_on_after(self.settings.preload_after):
+            await self._all_progressed(attempt)
+        if self.attempt is attempt and self.state.phase is sm.Phase.RUNNING:
+            await self.group.start_standbys(self.group.plan_standbys(attempt))
+
+    async def _all_progressed(self, attempt: Attempt) -> None:
+        """Return once every local rank of ``attempt`` has shown progress."""
+        done = anyio.Event()
+        ranks = attempt.layout.local_world_size
+
+        def check() -> None:
+            if self.progress.attempt == attempt.number and self.progress.count() >= ranks:
+                done.set()
+
+        self.progress.listeners.append(check)
         try:
-            worker = self._warm_start(spec)
-            if worker is None:
-                worker = spawn_worker(spec, self.death)
-                if self.guardian is not None:
-                    self.guardian.watch(worker.pid)
+            check()
+            await done.wait()
         finally:
-            self.output.after_spawn(local_rank)
-        logger.debug("local rank %d started as pid %d", local_rank, worker.pid)
-        return worker
-
-    # ------------------------------------------------------------------ warm restarts
-    def _restart_possible(self, restart_count: int) -> bool:
-        """Whether another attempt may follow this one (so standbys are worth their memory):
-        failure restarts left, or a backend whose membership can change."""
-        if self.settings.no_warm_restart:
-            return False
-        return self.settings.rdzv_backend != "static" or restart_count < self.settings.max_restarts
-
-    def _prepare_standbys(self, attempt: Attempt) -> None:
-        """Start a standby interpreter for every local rank whose command can run warm."""
-        for worker in attempt.workers:
-            rank = worker.local_rank
-            if rank in self.standbys or not Standby.accepts(interpreter(self._python),
-                                                             worker.spec.argv):
-                continue
-            try:
-                standby = spawn_standby(
-                    rank, self._python, self.environ, self.death, cwd=worker.spec.cwd,
-                    cpus=worker.spec.cpus,
-                )
-            except OSError as exc:
-                logger.warning("cannot start a standby for local rank %d: %s", rank, exc)
-                return
-            self.standbys[rank] = standby
-            if self.guardian is not None:
-                self.guardian.watch(standby.pid)
-            logger.debug("standby for local rank %d started as pid %d", rank, standby.pid)
-
-    def _warm_start(self, spec: WorkerSpec) -> Worker | None:
-        """Start the worker in its rank's standby; None if there is none or it cannot."""
-        standby = self.standbys.pop(spec.local_rank, None)
-        if standby is None:
-            return None
-        worker = standby.go(spec) if Standby.accepts(standby.prefix, spec.argv) else None
-        if worker is None:
-            standby.discard()
-            if self.guardian is not None:
-                self.guardian.forget(standby.pid)
-            return None
-        worker.extra["warm"] = True
-        return worker
-
-    def _discard_standbys(self) -> None:
-        for pid in discard_all(self.standbys):
-            if self.guardian is not None:
-                self.guardian.forget(pid)
+            self.progress.listeners.remove(check)
 
     def _exempt(self) -> set[int]:
         """Our children a group's sweep must not kill: the guardian and the standbys."""
-        return self.exempt_pids | {s.pid for s in self.standbys.values()}
-
-    async def _attempt_tasks(self, attempt: Attempt) -> None:
-        """The attempt's monitors and membership watch; cancelled when it is stopped."""
-        with attempt.scope:
-            async with anyio.create_task_group() as tg:
-                for worker in attempt.workers:
-                    tg.start_soon(self._monitor, attempt, worker)
-                tg.start_soon(self._watch_membership, attempt)
-
-    async def _monitor(self, attempt: Attempt, worker: Worker) -> None:
-        status = await wait_exit(worker)
-        worker.exited.set()
-        message = ""
-        if not status.ok:
-            report = read_error_file(attempt.error_file(worker.local_rank))
-            message = report.summary if report else ""
-            if report and report.traceback:
-                worker.extra["traceback"] = report.traceback
-        self.events.emit(
-            "worker_exited", local_rank=worker.local_rank, rank=worker.spec.global_rank,
-            pid=worker.pid, exit_code=status.exit_code,
-            signal=_signame(status.signal) if status.signal else None,
-            message=message or None,
-        )
-        self._post(
-            sm.WorkerExited(
-                attempt.number, worker.local_rank, worker.pid, status.exit_code,
-                status.signal, status.at, message,
-            )
-        )
+        return self.group.exempt()
 
     async def _watch_membership(self, attempt: Attempt) -> None:
         try:
@@ -609,20 +457,8 @@ class Controller:
         self._post(sm.GroupStopped(time.monotonic(), self._rng.random()))
 
     async def _stop_workers(self, attempt: Attempt | None, decision: sm.StopGroup) -> None:
+        await self.group.stop(attempt, decision.signum)
         if attempt is not None and attempt.workers:
-            await stop_group(
-                attempt.workers,
-                signum=decision.signum,
-                grace=self.settings.shutdown_timeout,
-                kill_now=attempt.kill_now,
-                sweep_adopted=self.sweep_adopted,
-                exempt=self._exempt(),
-            )
-            attempt.scope.cancel()
-            for worker in attempt.workers:
-                if worker.reaped and self.guardian is not None:
-                    self.guardian.forget(worker.pid)
-            await self.output.drain(attempt.dir_index)
             for observer in self.observers:
                 observer.on_stopped(attempt)
 
@@ -742,12 +578,6 @@ class Controller:
         )
 
 
-async def _mark_exited(worker: Worker) -> None:
-    """A stand-in monitor for ``stop_group`` once the real monitors are cancelled."""
-    await wait_exit(worker)
-    worker.exited.set()
-
-
 def _worker_view(worker: Worker, phase: sm.Phase) -> WorkerView:
     st = worker.status
     if st is None:
@@ -770,32 +600,5 @@ def _worker_view(worker: Worker, phase: sm.Phase) -> WorkerView:
     )
 
 
-def _next_attempt_index(run_dir: Path) -> int:
-    """Attempt directories continue after any left by an earlier run: nothing is overwritten."""
-    highest = -1
-    try:
-        for entry in os.scandir(run_dir):
-            name = entry.name
-            index = name[8:]
-            if name.startswith("attempt_") and index.isascii() and index.isdigit():
-                highest = max(highest, int(index))
-    except OSError:
-        return 0
-    return highest + 1
-
-
 def _signame(signum: int | None) -> str:
     return sm.signal_name(signum) if signum else ""
-
-
-def settings_command(settings: Settings, environ: Mapping[str, str]) -> CommandFor:
-    """The command of each rank as torchrun builds it from the flags."""
-    python = environ.get("PYTHON_EXEC", sys.executable)
-
-    def command(local_rank: int, global_rank: int, rank_dir: Path) -> list[str]:
-        return worker_argv(
-            python, settings.training_script, settings.training_script_args, local_rank,
-            module=settings.module, no_python=settings.no_python, run_path=settings.run_path,
-        )
-
-    return command

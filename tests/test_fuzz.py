@@ -273,7 +273,7 @@ def test_non_ascii_digit_count_is_a_config_error() -> None:
 @pytest.mark.filterwarnings("ignore::ResourceWarning")  # the bug leaves os.scandir open
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_stray_attempt_directory_does_not_stop_the_start(tmp_path: Path) -> None:
-    from supervisor.controller import _next_attempt_index
+    from supervisor.workers.group import _next_attempt_index
 
     for name in ("attempt_3", "attempt_²", "attempt_x", "attempt_"):
         (tmp_path / name).mkdir()

@@ -33,6 +33,23 @@ class GroupLayout(msgspec.Struct, frozen=True):
     virtual_local_rank: bool = False
 
 
+# Variables whose value changes from one attempt to the next (the rank's place in this
+# round, the store of this attempt, the attempt's own files); everything else a worker gets
+# is the same for every attempt of its local rank, so a standby can start with it.
+PER_ATTEMPT_ENV = (
+    "RANK",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_ERROR_FILE",
+)
+
+
 def worker_env(
     base: Mapping[str, str],
     layout: GroupLayout,

@@ -8,7 +8,7 @@ progress) and readers only read, so a busy FIFO does not republish snapshots.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import msgspec
 
@@ -80,13 +80,23 @@ class ProgressTable:
     def __init__(self) -> None:
         self._last: dict[int, float] = {}
         self.attempt = 0
+        # called after a rank's first progress of an attempt (no I/O: they set events)
+        self.listeners: list[Callable[[], None]] = []
 
     def reset(self, attempt: int) -> None:
         self.attempt = attempt
         self._last = {}
 
     def touch(self, local_rank: int, now: float) -> None:
+        first = local_rank not in self._last
         self._last[local_rank] = now
+        if first:
+            for listener in list(self.listeners):
+                listener()
+
+    def count(self) -> int:
+        """How many ranks of the current attempt have shown progress."""
+        return len(self._last)
 
     def view(self) -> Mapping[int, float]:
         return dict(self._last)

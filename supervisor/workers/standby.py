@@ -1,12 +1,19 @@
 """Warm restarts: a pre-started interpreter per local rank, so a restarted worker skips
-the interpreter's start-up (~10 ms of CPU, most of a restart's latency).
+the interpreter's start-up and, with ``--preload``, the framework's import.
 
 While a group runs, each local rank gets a *standby*: ``python -u -c STANDBY_CODE``
-started exactly like a worker (own session, the parent-death wrapper, NUMA binding, the
-supervisor's environment), which initialises the interpreter and blocks reading its stdin,
-a Unix socket. When the next attempt starts the rank, the supervisor sends the worker's
-command line and environment and passes its stdout/stderr descriptors (``SCM_RIGHTS``).
-The standby then does what CPython's own ``main`` does for that command line:
+started exactly like a worker (own session, the parent-death wrapper, NUMA binding) and
+with the environment its rank's next worker will get, less the variables that change per
+attempt (``PER_ATTEMPT_ENV``). So ``sitecustomize``, ``.pth`` files and ``LD_PRELOAD``
+constructors run in the rank's environment, as in a cold start. With ``--preload`` it then
+imports the given modules in a thread at idle CPU priority (``SCHED_IDLE``: it never takes
+a CPU from a runnable worker) and reports ``R`` (ready) or ``F`` and the error on its
+socket. It blocks reading its stdin, a Unix socket. When the next attempt starts the rank,
+the supervisor checks that the worker's environment equals the standby's apart from the
+per-attempt variables (else a cold start), sends those variables and the command line and
+passes stdout/stderr (``SCM_RIGHTS``). The standby applies the variables on top of its
+``os.environ`` (what start-up set there survives) and does what CPython's own ``main``
+does for that command line:
 
 - ``SCRIPT args``: ``sys.argv``, ``sys.path[0]`` (the script's real directory), and
   ``__main__`` with ``__file__`` (absolute), ``__loader__`` and ``__cached__`` as Python
@@ -14,12 +21,15 @@ The standby then does what CPython's own ``main`` does for that command line:
 - ``-m MODULE args``: ``runpy._run_module_as_main``, which is what ``python -m`` calls;
 - ``-c CODE args``: the code in ``__main__``.
 
-The environment is replaced before any user code runs, stdin becomes ``/dev/null``,
-``sys.orig_argv`` is the cold command line, and an uncaught exception prints the same
-traceback (the standby's own frame is left out) and exits 1. What differs from a cold
-start: ``/proc/PID/cmdline`` shows the standby command, and interpreter start-up options
-read from the environment (``PYTHON*``, locale) come from the supervisor's environment,
-which is what workers get anyway. ``--no-warm-restart`` turns it off.
+stdin becomes ``/dev/null`` (read-write, as ``subprocess.DEVNULL``), ``sys.orig_argv`` is
+the cold command line, and an uncaught exception sets ``sys.last_*``, prints the same
+traceback (the standby's own frame is left out) and exits 1. A worker handed over while its
+standby is still preloading waits for the imports (it is ahead of a cold start, which would
+import the same from the start); if they then fail, it ``execve``s the cold command line
+with the cold environment in place (same pid: a cold start). What differs from a cold start
+is listed in docs/torchrun-compat.md (``/proc/PID/cmdline`` and ``/proc/PID/environ`` show
+the standby's, start time, and code that reads a per-attempt variable during interpreter
+start-up sees it unset). ``--no-warm-restart`` turns it off.
 
 Only a command of the forms above run by the standby's interpreter with ``-u`` (what
 ``worker_argv`` builds) is started warm; anything else, or a standby that died, falls back
@@ -36,9 +46,12 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from supervisor.core.envs import interpreter
+import anyio
+import msgspec
+
+from supervisor.core.envs import PER_ATTEMPT_ENV, interpreter
 from supervisor.workers.spawn import DeathSignal, Worker, WorkerSpec, spawn_worker
 
 logger = logging.getLogger(__name__)
@@ -46,16 +59,51 @@ logger = logging.getLogger(__name__)
 GO_TIMEOUT = 2.0  # seconds the go message may take to be accepted before a cold spawn
 HEADER = 8  # bytes: big-endian length of the marshalled go message
 
-# Runs as ``python -u -c STANDBY_CODE`` in ``__main__``. Everything lives in one function
-# (locals only), since ``__main__``'s namespace is handed back clean to the user's code.
-# Imports nothing beyond ``_socket`` (and ``runpy`` for ``-m``, which ``python -m`` also
-# imports) so the user's code finds ``sys.modules`` as a cold interpreter leaves it.
+__all__ = ["PER_ATTEMPT_ENV", "Standby", "StandbyOptions", "discard_all", "env_mismatch",
+           "is_standby_command", "spawn_standby", "standby_env"]
+
+# Runs as ``python -u -c STANDBY_CODE [MODULE,...]`` in ``__main__``. Everything lives in
+# one function (locals only), since ``__main__``'s namespace is handed back clean to the
+# user's code. Without preloading it imports nothing beyond ``_socket`` and ``_thread``
+# (and ``runpy`` for ``-m``, which ``python -m`` also imports) so the user's code finds
+# ``sys.modules`` as a cold interpreter leaves it.
 STANDBY_CODE = r'''
 def _standby():
-    import _socket, marshal, os, sys
+    import _socket, _thread, marshal, os, sys
     main = sys.modules["__main__"].__dict__
     initial = {k: v for k, v in main.items() if k != "_standby"}
     sock = _socket.socket(fileno=0)
+    preload = [m for m in sys.argv[1].split(",") if m] if len(sys.argv) > 1 else []
+    done = _thread.allocate_lock()
+    failure = []
+    if preload:
+        done.acquire()
+        def _preload():
+            try:
+                try:  # never compete with the workers: run only when a CPU is idle
+                    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                except (AttributeError, OSError):
+                    pass
+                for name in preload:
+                    try:
+                        __import__(name)
+                    except BaseException as exc:
+                        failure.append(f"preloading {name!r} failed: "
+                                       f"{type(exc).__name__}: {exc}")
+                        return
+                torch = sys.modules.get("torch")
+                cuda = getattr(torch, "cuda", None)
+                if cuda is not None and cuda.is_initialized():
+                    failure.append("preloading initialised CUDA")
+            except BaseException as exc:
+                failure.append(f"preloading failed: {type(exc).__name__}: {exc}")
+            finally:
+                try:
+                    sock.send(b"F" + failure[0].encode() if failure else b"R")
+                except OSError:
+                    pass
+                done.release()
+        _thread.start_new_thread(_preload, ())
     data, fds, need = b"", [], None
     while need is None or len(data) < need:
         chunk, anc, _flags, _addr = sock.recvmsg(
@@ -71,18 +119,21 @@ def _standby():
             need = 8 + int.from_bytes(data[:8], "big")
     go = marshal.loads(data[8:need])
     del data, chunk, anc
+    if preload:
+        done.acquire()  # handed over while still importing: finish first (ahead of cold)
     sock.detach()
-    null = os.open(os.devnull, os.O_RDONLY)
+    null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.close(null)
     for target, fd in zip(go["fds"], fds):
         os.dup2(fd, target)
         os.close(fd)
-    os.environ.clear()
+    if failure:  # too late to tell the supervisor: become the cold worker, same pid
+        os.execve(go["orig_argv"][0], go["orig_argv"], go["cold_env"])
     os.environ.update(go["env"])
     sys.orig_argv[:] = go["orig_argv"]
     argv = go["argv"]
-    del go, fds
+    del go, fds, done, failure, preload
     main.clear()
     main.update(initial)
     del initial
@@ -121,20 +172,56 @@ def _standby():
     except BaseException as exc:
         tb = exc.__traceback__
         tb = tb.tb_next if tb is not None else None  # the user's frames only
-        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        exc = exc.with_traceback(tb)
+        # what Python's own handler of an uncaught exception leaves for atexit hooks
+        sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
+        if sys.version_info >= (3, 12):
+            sys.last_exc = exc
+        sys.excepthook(type(exc), exc, tb)
         del exc, tb
         sys.exit(1)
 _standby()
 '''
 
 
+class StandbyOptions(msgspec.Struct, frozen=True):
+    """How standbys are prepared: modules to import before waiting (``--preload``)."""
+
+    preload: tuple[str, ...] = ()
+
+
+def standby_env(worker_env: Mapping[str, str]) -> dict[str, str]:
+    """A rank's worker environment less the variables that change per attempt."""
+    return {k: v for k, v in worker_env.items() if k not in PER_ATTEMPT_ENV}
+
+
+def env_mismatch(started: Mapping[str, str], worker_env: Mapping[str, str]) -> str | None:
+    """The first variable (other than the per-attempt ones) a standby started with
+    ``started`` would get wrong for ``worker_env``; None if there is none."""
+    wanted = standby_env(worker_env)
+    for name in sorted(started.keys() | wanted.keys()):
+        if started.get(name) != wanted.get(name):
+            return name
+    return None
+
+
 class Standby:
     """One pre-started interpreter waiting for its worker's command line."""
 
-    def __init__(self, process: Worker, sock: socket.socket, prefix: Sequence[str]) -> None:
+    def __init__(
+        self,
+        process: Worker,
+        sock: socket.socket,
+        prefix: Sequence[str],
+        env: Mapping[str, str],
+        preload: Sequence[str] = (),
+    ) -> None:
         self.process = process  # a Worker whose spec is the standby's own command
         self.sock = sock
         self.prefix = list(prefix)  # interpreter and options: [python, "-u"]
+        self.env = dict(env)  # what it was started with
+        self.preload = tuple(preload)
+        self._report: bytes | None = None  # b"R" or b"F..." once the preload reported
 
     @property
     def pid(self) -> int:
@@ -156,8 +243,38 @@ class Standby:
         # a source file: a directory or zip (run as a package) or a .pyc go cold
         return not head.startswith("-") and head.endswith(".py") and os.path.isfile(head)
 
-    def go(self, spec: WorkerSpec) -> Worker | None:
-        """Hand the worker over; None if the standby cannot take it (it is then gone)."""
+    def preloaded(self) -> bool | None:
+        """True once the preload finished, False if it failed, None while it runs."""
+        if not self.preload:
+            return True
+        self._read_report()
+        if self._report is None:
+            return None
+        return self._report.startswith(b"R")
+
+    def preload_failure(self) -> str | None:
+        """The preload's error, if it reported one (the standby is then of no use)."""
+        if self.preloaded() is False:
+            assert self._report is not None
+            return self._report[1:].decode(errors="replace") or "preloading failed"
+        return None
+
+    def _read_report(self) -> None:
+        if self._report is not None:
+            return
+        try:
+            data = self.sock.recv(4096, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return  # still importing
+        except OSError as exc:
+            data = b"F" + str(exc).encode()
+        self._report = data or b"Fthe standby exited"
+
+    def go(self, spec: WorkerSpec, per_attempt: Mapping[str, str]) -> Worker | None:
+        """Hand the worker over; None if the standby cannot take it (it is then gone).
+
+        ``per_attempt``: the variables applied on top of the standby's environment; the
+        caller has checked that the rest of ``spec.env`` equals what it started with."""
         if self.process.poll_exit() is not None:
             logger.warning("standby for local rank %d exited before it was used (%s)",
                            self.local_rank, self.process.status)
@@ -168,7 +285,9 @@ class Standby:
         body = marshal.dumps({
             "argv": list(spec.argv[len(self.prefix):]),
             "orig_argv": list(spec.argv),
-            "env": dict(spec.env),
+            "env": dict(per_attempt),
+            # used only if a preload still running then fails: the worker execs cold
+            "cold_env": dict(spec.env) if self.preloaded() is None else {},
             "fds": targets,
         })
         message = len(body).to_bytes(HEADER, "big") + body
@@ -183,13 +302,18 @@ class Standby:
                            self.local_rank, exc)
             self.discard()
             return None
-        self.sock.close()
+        self._close()
         old = self.process
         return Worker(spec, old.popen, old.pidfd, time.monotonic(), time.time())
 
+    def _close(self) -> None:
+        if self.sock.fileno() >= 0:
+            anyio.notify_closing(self.sock)  # wakes a task waiting for the preload report
+        self.sock.close()
+
     def discard(self) -> None:
         """Kill and reap the standby (it never ran user code: nothing to wait for)."""
-        self.sock.close()
+        self._close()
         process = self.process
         if not process.reaped:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -205,19 +329,26 @@ def spawn_standby(
     *,
     cwd: str | None = None,
     cpus: tuple[int, ...] | None = None,
+    options: StandbyOptions | None = None,
 ) -> Standby:
-    """Start the standby of one local rank. Raises OSError if it cannot be started."""
+    """Start the standby of one local rank with ``env`` (see ``standby_env``).
+
+    Raises OSError if it cannot be started."""
+    options = options or StandbyOptions()
     prefix = interpreter(python)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    argv = [*prefix, "-c", STANDBY_CODE]
+    if options.preload:
+        argv.append(",".join(options.preload))
     try:
-        spec = WorkerSpec(local_rank, -1, [*prefix, "-c", STANDBY_CODE], env, cwd=cwd, cpus=cpus)
+        spec = WorkerSpec(local_rank, -1, argv, env, cwd=cwd, cpus=cpus)
         process = spawn_worker(spec, death, stdin=theirs.fileno())
     except BaseException:
         ours.close()
         raise
     finally:
         theirs.close()
-    return Standby(process, ours, prefix)
+    return Standby(process, ours, prefix, env, options.preload)
 
 
 def is_standby_command(argv: Sequence[str]) -> bool:

@@ -5,7 +5,9 @@
 Writes ``OUT_DIR/<restart>_<rank>.json`` (atomically) with everything a cold
 ``python -u probe_main.py`` and a warm start must agree on, prints ``probed RANK RESTART``,
 then exits 1 on restart 0 (so the group restarts) and 0 after. With ``raise`` it raises
-instead, from inside a function, so the traceback has frames of its own.
+instead, from inside a function, so the traceback has frames of its own (and an atexit hook
+records ``sys.last_value`` to ``OUT_DIR/<restart>_<rank>.last``). With ``PROBE_GATE=FILE``
+in the environment, restart 0 waits for FILE before it exits.
 """
 
 import json
@@ -49,6 +51,7 @@ def describe() -> dict[str, object]:
         "executable": sys.executable,
         "cwd": os.getcwd(),
         "stdin": os.readlink("/proc/self/fd/0"),
+        "stdin_access": __import__("fcntl").fcntl(0, __import__("fcntl").F_GETFL) & os.O_ACCMODE,
         "stdout": fd_kind(1),
         "stderr": fd_kind(2),
         "write_through": sys.stdout.write_through,
@@ -96,6 +99,16 @@ if __name__ == "__main__":
     deadline = time.monotonic() + 60
     while not all(map(os.path.exists, records)) and time.monotonic() < deadline:
         time.sleep(0.01)
+    gate = os.environ.get("PROBE_GATE")  # a file the test creates when the restart may come
+    while gate and restart == 0 and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.01)
     if sys.argv[2:] == ["raise"]:
+        import atexit
+
+        def record_last_value() -> None:  # what an atexit hook sees of the uncaught error
+            with open(os.path.join(out_dir, f"{restart}_{rank}.last"), "w") as f:
+                f.write(repr(getattr(sys, "last_value", None)))
+
+        atexit.register(record_last_value)
         boom(rank)
     sys.exit(1 if restart == 0 else 0)

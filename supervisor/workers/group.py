@@ -1,0 +1,450 @@
+"""The worker group: one attempt's processes, from launch to the last reap.
+
+``WorkerGroup`` owns everything that touches an attempt's processes: the attempt's
+directory, each rank's environment and output, the cold spawn or the hand-off to the rank's
+standby, a monitor per worker that reports its exit, the standbys for the next attempt,
+and the stop (TERM, grace, KILL, sweep, reap). It reports what happens as events into the
+controller's inbox (``post``) and never calls back into the controller, which stays what
+its docstring says: inbox -> pure state machine -> decisions carried out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from supervisor.config import Settings
+from supervisor.core import state as sm
+from supervisor.core.envs import GroupLayout, interpreter, worker_argv, worker_env
+from supervisor.events import EventLog
+from supervisor.rendezvous.base import RendezvousResult
+from supervisor.workers.errorfile import read_error_file
+from supervisor.workers.guardian import Guardian
+from supervisor.workers.output import OutputPlan
+from supervisor.workers.spawn import DeathSignal, Worker, WorkerSpec, spawn_worker, wait_exit
+from supervisor.workers.standby import (
+    PER_ATTEMPT_ENV,
+    Standby,
+    StandbyOptions,
+    discard_all,
+    env_mismatch,
+    spawn_standby,
+    standby_env,
+)
+from supervisor.workers.stop import stop_group
+
+logger = logging.getLogger(__name__)
+
+# (local_rank, global_rank, rank_dir) -> argv of that rank's worker
+CommandFor = Callable[[int, int, Path], list[str]]
+# local_rank -> CPUs to bind the worker to, or None
+CpusFor = Callable[[int], tuple[int, ...] | None]
+Post = Callable[[sm.Event], None]
+
+
+@dataclass(eq=False)
+class Attempt:
+    """One incarnation of the worker group."""
+
+    number: int
+    dir_index: int
+    directory: Path
+    round: RendezvousResult
+    layout: GroupLayout
+    workers: list[Worker] = field(default_factory=list)
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    kill_now: anyio.Event = field(default_factory=anyio.Event)
+
+    def error_file(self, local_rank: int) -> Path:
+        return self.directory / str(local_rank) / "error.json"
+
+
+_Wanted = tuple[int, dict[str, str], str | None, tuple[int, ...] | None]
+
+
+@dataclass
+class StandbyPlan:
+    """Standbys about to be started: (rank, env, cwd, cpus) each; ``done`` once in."""
+
+    wanted: list[_Wanted]
+    done: anyio.Event
+
+
+@dataclass
+class StandbyStats:
+    """What happened to standbys, for metrics and tests (counters only grow)."""
+
+    started: int = 0
+    used: int = 0
+    cold_env_changed: int = 0
+    cold_preload_failed: int = 0
+    cold_not_ready: int = 0
+    cold_other: int = 0
+
+
+class WorkerGroup:
+    """Launches, watches and stops the attempts of one supervisor's local worker group."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        run_id: str,
+        events: EventLog,
+        log_root: Path,
+        output: OutputPlan,
+        environ: Mapping[str, str],
+        timer_file: str | None,
+        post: Post,
+        guardian: Guardian | None = None,
+        sweep_adopted: bool = True,
+        exempt_pids: Iterable[int] = (),
+        command: CommandFor | None = None,
+        cpus: CpusFor | None = None,
+    ) -> None:
+        self.settings = settings
+        self.run_id = run_id
+        self.events = events
+        self.log_root = log_root
+        self.output = output
+        self.environ = dict(environ)
+        self.timer_file = timer_file
+        self.post = post
+        self.guardian = guardian
+        self.sweep_adopted = sweep_adopted
+        self.exempt_pids = set(exempt_pids)
+        self.command = command or settings_command(settings, self.environ)
+        self.cpus = cpus or (lambda local_rank: None)
+        self.death = DeathSignal()
+        self.attempt: Attempt | None = None
+        self.standbys: dict[int, Standby] = {}  # local rank -> its warm interpreter
+        self.stats = StandbyStats()
+        self.standby_options = StandbyOptions(preload=tuple(settings.preload))
+        self._python = self.environ.get("PYTHON_EXEC", sys.executable)
+        self._dir_base = _next_attempt_index(log_root / run_id)
+        self._spawning: anyio.Event | None = None  # set when standbys being started are in
+
+    # ------------------------------------------------------------------ launch
+    def launch(
+        self, number: int, restart_count: int, rnd: RendezvousResult
+    ) -> tuple[Attempt, list[tuple[int, str]]]:
+        """Start every local rank of attempt ``number``; returns it and ranks that failed."""
+        dir_index = self._dir_base + number - 1
+        layout = GroupLayout(
+            run_id=self.run_id,
+            role=self.settings.role,
+            local_world_size=self.settings.local_world_size,
+            group_rank=rnd.group_rank,
+            group_world_size=rnd.group_world_size,
+            rank_offset=rnd.rank_offset,
+            world_size=rnd.world_size,
+            master_addr=rnd.master_addr,
+            master_port=rnd.master_port,
+            restart_count=restart_count,
+            max_restarts=self.settings.max_restarts,
+            virtual_local_rank=self.settings.virtual_local_rank,
+        )
+        attempt = Attempt(
+            number, dir_index, self.log_root / self.run_id / f"attempt_{dir_index}", rnd, layout
+        )
+        self.attempt = attempt
+        failed_to_start: list[tuple[int, str]] = []
+        for local_rank in range(layout.local_world_size):
+            try:
+                attempt.workers.append(self._spawn(attempt, local_rank))
+            except OSError as exc:
+                logger.error("cannot start local rank %d: %s", local_rank, exc)
+                failed_to_start.append((local_rank, str(exc)))
+        return attempt, failed_to_start
+
+    def _rank_env(self, attempt: Attempt, local_rank: int) -> dict[str, str]:
+        return worker_env(
+            self.environ, attempt.layout, local_rank,
+            error_file=str(attempt.error_file(local_rank)), timer_file=self.timer_file,
+        )
+
+    def _spawn(self, attempt: Attempt, local_rank: int) -> Worker:
+        rank_dir = attempt.directory / str(local_rank)
+        rank_dir.mkdir(parents=True, exist_ok=True)
+        env = self._rank_env(attempt, local_rank)
+        global_rank = attempt.layout.rank_offset + local_rank
+        argv = self.command(local_rank, global_rank, rank_dir)
+        stdout, stderr = self.output.open_rank(
+            attempt.dir_index, rank_dir, local_rank, global_rank,
+            restart_count=attempt.layout.restart_count,
+        )
+        spec = WorkerSpec(
+            local_rank, global_rank, argv, env, stdout, stderr, cpus=self.cpus(local_rank)
+        )
+        try:
+            worker = self._warm_start(spec)
+            if worker is None:
+                worker = spawn_worker(spec, self.death)
+                if self.guardian is not None:
+                    self.guardian.watch(worker.pid)
+        finally:
+            self.output.after_spawn(local_rank)
+        logger.debug("local rank %d started as pid %d", local_rank, worker.pid)
+        return worker
+
+    # ------------------------------------------------------------------ warm restarts
+    def restart_possible(self, restart_count: int) -> bool:
+        """Whether another attempt may follow this one (so standbys are worth their memory):
+        failure restarts left, or a backend whose membership can change."""
+        if self.settings.no_warm_restart:
+            return False
+        return self.settings.rdzv_backend != "static" or restart_count < self.settings.max_restarts
+
+    @property
+    def preloading(self) -> bool:
+        """Whether standbys import modules before they wait (``--preload``)."""
+        return bool(self.standby_options.preload)
+
+    def plan_standbys(self, attempt: Attempt) -> StandbyPlan:
+        """Which ranks get a standby for the next attempt (those whose command can run
+        warm and that have none). Marks the spawn as under way at once: a stop that
+        begins before ``start_standbys`` is done waits for it before it sweeps, or it
+        would take a new standby for debris."""
+        wanted = []
+        for worker in attempt.workers:
+            rank = worker.local_rank
+            if rank in self.standbys or not Standby.accepts(interpreter(self._python),
+                                                             worker.spec.argv):
+                continue
+            env = standby_env(self._rank_env(attempt, rank))
+            wanted.append((rank, env, worker.spec.cwd, worker.spec.cpus))
+        done = anyio.Event()
+        if wanted:
+            self._spawning = done
+        else:
+            done.set()
+        return StandbyPlan(wanted, done)
+
+    async def start_standbys(self, plan: StandbyPlan) -> None:
+        """Spawn the planned standbys in a worker thread (the loop stays responsive)."""
+        if not plan.wanted:
+            return
+        try:
+            started = await anyio.to_thread.run_sync(self._spawn_standbys, plan.wanted)
+        finally:
+            plan.done.set()
+        for standby in started:
+            self.standbys[standby.local_rank] = standby
+            self.stats.started += 1
+            if self.guardian is not None:
+                self.guardian.watch(standby.pid)
+            logger.debug("standby for local rank %d started as pid %d", standby.local_rank,
+                         standby.pid)
+        if self.preloading:
+            async with anyio.create_task_group() as tg:
+                for standby in started:
+                    tg.start_soon(self._watch_preload, standby)
+
+    async def _watch_preload(self, standby: Standby) -> None:
+        """Hear the standby's preload report the moment it comes; drop a failed one now."""
+        began = time.monotonic()
+        try:
+            await anyio.wait_readable(standby.sock)
+        except (anyio.ClosedResourceError, OSError):
+            return  # handed over or discarded meanwhile
+        failure = standby.preload_failure()
+        if failure is None:
+            logger.info("standby for local rank %d preloaded %s in %.2f s",
+                        standby.local_rank, ",".join(standby.preload), time.monotonic() - began)
+            return
+        logger.warning("standby for local rank %d discarded, the rank will start cold: %s",
+                       standby.local_rank, failure)
+        self.stats.cold_preload_failed += 1
+        if self.standbys.get(standby.local_rank) is standby:
+            del self.standbys[standby.local_rank]
+            standby.discard()
+            if self.guardian is not None:
+                self.guardian.forget(standby.pid)
+
+    def _spawn_standbys(self, wanted: list[_Wanted]) -> list[Standby]:
+        started = []
+        for rank, env, cwd, cpus in wanted:
+            try:
+                started.append(spawn_standby(
+                    rank, self._python, env, self.death, cwd=cwd, cpus=cpus,
+                    options=self.standby_options,
+                ))
+            except OSError as exc:
+                logger.warning("cannot start a standby for local rank %d: %s", rank, exc)
+                break
+        return started
+
+    async def _standbys_in(self) -> None:
+        if self._spawning is not None:
+            await self._spawning.wait()
+
+    def _warm_start(self, spec: WorkerSpec) -> Worker | None:
+        """Start the worker in its rank's standby; None if there is none or it cannot."""
+        standby = self.standbys.pop(spec.local_rank, None)
+        if standby is None:
+            return None
+        worker = None
+        reason = self._cold_reason(standby, spec)
+        if reason is None:
+            worker = standby.go(spec, {k: spec.env[k] for k in PER_ATTEMPT_ENV if k in spec.env})
+            if worker is None:
+                self.stats.cold_other += 1
+        else:
+            logger.warning("local rank %d starts cold: %s", spec.local_rank, reason)
+        if worker is None:
+            standby.discard()
+            if self.guardian is not None:
+                self.guardian.forget(standby.pid)
+            return None
+        self.stats.used += 1
+        worker.extra["warm"] = True
+        return worker
+
+    def _cold_reason(self, standby: Standby, spec: WorkerSpec) -> str | None:
+        """Why the standby cannot take this worker (a cold start follows), or None."""
+        if not Standby.accepts(standby.prefix, spec.argv):
+            self.stats.cold_other += 1
+            return "its command cannot run in a standby"
+        changed = env_mismatch(standby.env, spec.env)
+        if changed is not None:
+            self.stats.cold_env_changed += 1
+            return f"environment variable {changed} changed since its standby started"
+        failure = standby.preload_failure()
+        if failure is not None:
+            self.stats.cold_preload_failed += 1
+            return failure
+        return None
+
+    def discard_standbys(self) -> None:
+        for pid in discard_all(self.standbys):
+            if self.guardian is not None:
+                self.guardian.forget(pid)
+
+    def exempt(self) -> set[int]:
+        """Our children a group's sweep must not kill: the guardian and the standbys."""
+        return self.exempt_pids | {s.pid for s in self.standbys.values()}
+
+    # ------------------------------------------------------------------ monitors
+    async def supervise(
+        self, attempt: Attempt, *also: Callable[[Attempt], Coroutine[Any, Any, None]]
+    ) -> None:
+        """The attempt's worker monitors (and ``also`` tasks); cancelled when it stops."""
+        with attempt.scope:
+            async with anyio.create_task_group() as tg:
+                for worker in attempt.workers:
+                    tg.start_soon(self._monitor, attempt, worker)
+                for task in also:
+                    tg.start_soon(task, attempt)
+
+    async def _monitor(self, attempt: Attempt, worker: Worker) -> None:
+        status = await wait_exit(worker)
+        worker.exited.set()
+        message = ""
+        if not status.ok:
+            report = read_error_file(attempt.error_file(worker.local_rank))
+            message = report.summary if report else ""
+            if report and report.traceback:
+                worker.extra["traceback"] = report.traceback
+        self.events.emit(
+            "worker_exited", local_rank=worker.local_rank, rank=worker.spec.global_rank,
+            pid=worker.pid, exit_code=status.exit_code,
+            signal=sm.signal_name(status.signal) if status.signal else None,
+            message=message or None,
+        )
+        self.post(
+            sm.WorkerExited(
+                attempt.number, worker.local_rank, worker.pid, status.exit_code,
+                status.signal, status.at, message,
+            )
+        )
+
+    # ------------------------------------------------------------------ stop
+    async def stop(self, attempt: Attempt | None, signum: int) -> None:
+        """Stop the attempt's workers: ``signum``, the grace, SIGKILL, sweep, reap."""
+        await self._standbys_in()
+        if attempt is None or not attempt.workers:
+            return
+        await stop_group(
+            attempt.workers,
+            signum=signum,
+            grace=self.settings.shutdown_timeout,
+            kill_now=attempt.kill_now,
+            sweep_adopted=self.sweep_adopted,
+            exempt=self.exempt(),
+        )
+        attempt.scope.cancel()
+        self._forget_reaped(attempt)
+        await self.output.drain(attempt.dir_index)
+
+    def _forget_reaped(self, attempt: Attempt) -> None:
+        for worker in attempt.workers:
+            if worker.reaped and self.guardian is not None:
+                self.guardian.forget(worker.pid)
+
+    async def release(self) -> None:
+        """Leave no worker, zombie or pidfd behind (the embedded API outlives us).
+
+        After a success the workers exited by themselves and were never stopped; when
+        cancelled (an embedded caller gave up) they may still run. Either way the usual
+        stop (TERM, grace, KILL, sweep, reap) finishes them, at once for exited ones.
+        """
+        attempt = self.attempt
+        unreaped = [w for w in attempt.workers if not w.reaped] if attempt else []
+        if attempt is None or not unreaped:
+            return
+        with anyio.CancelScope(shield=True):
+            await self._standbys_in()
+            async with anyio.create_task_group() as tg:
+                for worker in unreaped:
+                    if not worker.exited.is_set():  # its monitor was cancelled
+                        tg.start_soon(_mark_exited, worker)
+                await stop_group(
+                    unreaped, signum=signal.SIGTERM, grace=self.settings.shutdown_timeout,
+                    kill_now=attempt.kill_now, sweep_adopted=self.sweep_adopted,
+                    exempt=self.exempt(),
+                )
+                tg.cancel_scope.cancel()
+            self._forget_reaped(attempt)
+
+
+async def _mark_exited(worker: Worker) -> None:
+    """A stand-in monitor for ``stop_group`` once the real monitors are cancelled."""
+    await wait_exit(worker)
+    worker.exited.set()
+
+
+def _next_attempt_index(run_dir: Path) -> int:
+    """Attempt directories continue after any left by an earlier run: nothing is overwritten."""
+    highest = -1
+    try:
+        for entry in os.scandir(run_dir):
+            name = entry.name
+            index = name[8:]
+            if name.startswith("attempt_") and index.isascii() and index.isdigit():
+                highest = max(highest, int(index))
+    except OSError:
+        return 0
+    return highest + 1
+
+
+def settings_command(settings: Settings, environ: Mapping[str, str]) -> CommandFor:
+    """The command of each rank as torchrun builds it from the flags."""
+    python = environ.get("PYTHON_EXEC", sys.executable)
+
+    def command(local_rank: int, global_rank: int, rank_dir: Path) -> list[str]:
+        return worker_argv(
+            python, settings.training_script, settings.training_script_args, local_rank,
+            module=settings.module, no_python=settings.no_python, run_path=settings.run_path,
+        )
+
+    return command
