@@ -400,6 +400,7 @@ class Controller:
         with anyio.move_on_after(self.settings.preload_after):
             await self._all_progressed(attempt)
         if self.attempt is attempt and self.state.phase is sm.Phase.RUNNING:
+            self.group.learn_store(attempt)
             await self.group.start_standbys(self.group.plan_standbys(attempt))
 
     async def _all_progressed(self, attempt: Attempt) -> None:

@@ -50,6 +50,7 @@ CommandFor = Callable[[int, int, Path], list[str]]
 # local_rank -> CPUs to bind the worker to, or None
 CpusFor = Callable[[int], tuple[int, ...] | None]
 Post = Callable[[sm.Event], None]
+STORE_WAIT = 5.0  # seconds a warm rank waits for rank 0's store before it dials anyway
 
 
 @dataclass(eq=False)
@@ -133,6 +134,8 @@ class WorkerGroup:
         self._python = self.environ.get("PYTHON_EXEC", sys.executable)
         self._dir_base = _next_attempt_index(log_root / run_id)
         self._spawning: anyio.Event | None = None  # set when standbys being started are in
+        # whether rank 0's store listened on MASTER_PORT in an earlier attempt (learned)
+        self.store_seen = False
 
     # ------------------------------------------------------------------ launch
     def launch(
@@ -296,7 +299,8 @@ class WorkerGroup:
         worker = None
         reason = self._cold_reason(standby, spec)
         if reason is None:
-            worker = standby.go(spec, {k: spec.env[k] for k in PER_ATTEMPT_ENV if k in spec.env})
+            per_attempt = {k: spec.env[k] for k in PER_ATTEMPT_ENV if k in spec.env}
+            worker = standby.go(spec, per_attempt, self._await_store(spec))
             if worker is None:
                 self.stats.cold_other += 1
         else:
@@ -309,6 +313,30 @@ class WorkerGroup:
         self.stats.used += 1
         worker.extra["warm"] = True
         return worker
+
+    def _await_store(self, spec: WorkerSpec) -> tuple[str, int, float] | None:
+        """For a warm rank other than 0 on rank 0's node, once the job is known to use
+        rank 0's store: where to wait for it before the user's code dials it.
+
+        torch's store client that dials before the server listens is refused and retries
+        after an exponential backoff (250-750 ms first), which is most of a warm
+        restart's ``init_process_group``; rank 0 is handed over first, and the others
+        start their ``init_process_group`` only once its store accepts connections (a
+        store of its own per attempt, as before: nothing is reused)."""
+        attempt = self.attempt
+        if not self.store_seen or attempt is None or attempt.layout.rank_offset != 0:
+            return None
+        if spec.global_rank == 0:
+            return None
+        return attempt.layout.master_addr, attempt.layout.master_port, STORE_WAIT
+
+    def learn_store(self, attempt: Attempt) -> None:
+        """Note whether rank 0 (if it runs here) has its store listening on MASTER_PORT."""
+        if not self.store_seen and attempt.layout.rank_offset == 0:
+            self.store_seen = port_listening(attempt.layout.master_port)
+            if self.store_seen:
+                logger.debug("rank 0 hosts a store on port %d: warm ranks will wait for it",
+                             attempt.layout.master_port)
 
     def _cold_reason(self, standby: Standby, spec: WorkerSpec) -> str | None:
         """Why the standby cannot take this worker (a cold start follows), or None."""
@@ -374,6 +402,7 @@ class WorkerGroup:
         await self._standbys_in()
         if attempt is None or not attempt.workers:
             return
+        self.learn_store(attempt)
         await stop_group(
             attempt.workers,
             signum=signum,
@@ -415,6 +444,22 @@ class WorkerGroup:
                 )
                 tg.cancel_scope.cancel()
             self._forget_reaped(attempt)
+
+
+def port_listening(port: int) -> bool:
+    """Whether a TCP socket of this network namespace listens on ``port`` (IPv4 or 6)."""
+    wanted = f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                next(f, None)
+                for line in f:
+                    fields = line.split(None, 4)
+                    if len(fields) > 3 and fields[3] == "0A" and fields[1].endswith(wanted):
+                        return True
+        except OSError:
+            continue
+    return False
 
 
 async def _mark_exited(worker: Worker) -> None:

@@ -130,6 +130,28 @@ def _standby():
         os.close(fd)
     if failure:  # too late to tell the supervisor: become the cold worker, same pid
         os.execve(go["orig_argv"][0], go["orig_argv"], go["cold_env"])
+    store = go.get("await_store")
+    if store:  # rank 0's store of this attempt: dial only once it listens (see docstring)
+        import time
+        host, port, limit = store
+        end = time.monotonic() + limit
+        try:
+            family, kind, proto, _name, addr = _socket.getaddrinfo(
+                host, port, 0, _socket.SOCK_STREAM)[0]
+        except OSError:
+            end = 0
+        while time.monotonic() < end:
+            probe = _socket.socket(family, kind, proto)
+            try:
+                probe.settimeout(1.0)
+                probe.connect(addr)
+                break
+            except OSError:
+                time.sleep(0.002)
+            finally:
+                probe.close()
+        del time, host, port, limit, end
+    del store
     os.environ.update(go["env"])
     sys.orig_argv[:] = go["orig_argv"]
     argv = go["argv"]
@@ -270,11 +292,18 @@ class Standby:
             data = b"F" + str(exc).encode()
         self._report = data or b"Fthe standby exited"
 
-    def go(self, spec: WorkerSpec, per_attempt: Mapping[str, str]) -> Worker | None:
+    def go(
+        self,
+        spec: WorkerSpec,
+        per_attempt: Mapping[str, str],
+        await_store: tuple[str, int, float] | None = None,
+    ) -> Worker | None:
         """Hand the worker over; None if the standby cannot take it (it is then gone).
 
         ``per_attempt``: the variables applied on top of the standby's environment; the
-        caller has checked that the rest of ``spec.env`` equals what it started with."""
+        caller has checked that the rest of ``spec.env`` equals what it started with.
+        ``await_store``: (host, port, seconds): before the user's code runs, wait (at
+        most that long) until rank 0's store of this attempt accepts connections."""
         if self.process.poll_exit() is not None:
             logger.warning("standby for local rank %d exited before it was used (%s)",
                            self.local_rank, self.process.status)
@@ -289,6 +318,7 @@ class Standby:
             # used only if a preload still running then fails: the worker execs cold
             "cold_env": dict(spec.env) if self.preloaded() is None else {},
             "fds": targets,
+            "await_store": list(await_store) if await_store else None,
         })
         message = len(body).to_bytes(HEADER, "big") + body
         try:

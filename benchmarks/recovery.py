@@ -1,0 +1,254 @@
+"""Recovery of a real DDP job, side by side with torchrun (issue 15's benchmark).
+
+    python benchmarks/recovery.py [--ranks 2,4] [--crashes kill,exit] [--reps 10]
+                                  [--torchrun-runs 12] [--out FILE.json]
+
+The job is ``benchmarks/recovery_job.py`` (torch CPU, gloo, ``Linear(64, 64)`` under DDP).
+One run of a launcher crashes the job ``reps`` times (the last rank exits 3, or is
+SIGKILLed) and the figure of each crash is **crash -> first completed step of the next
+attempt, on every rank** (the latest rank's first step), from the workers' own wall-clock
+records; the phases of that time come from the same records (new interpreter running,
+``import torch``, ``init_process_group``, DDP and the first step). Cells, in one run:
+
+- ours cold (``--no-warm-restart``), ours warm, ours warm with
+  ``--preload torch,torch._dynamo``;
+- torchrun ``--standalone`` and torchrun static (``--rdzv-backend static``), same job.
+
+torchrun's restarts of this job often fail (the restarted ranks read the previous
+attempt's gloo addresses from the store it reuses): a torchrun run ends at its first
+failed recovery, so torchrun is run again (up to ``--torchrun-runs`` times per cell) until
+it has ``reps`` successful recoveries or the cap, and the success rate is reported.
+Standby memory (RSS, USS) is read while the preloaded standbys wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchmarks.harness import BIN, ensure_bytecode, launcher_env  # noqa: E402
+from supervisor.workers.standby import is_standby_command  # noqa: E402
+
+JOB = HERE / "recovery_job.py"
+PHASES = ("interpreter", "import torch", "init_process_group", "DDP + first step")
+
+
+@dataclass
+class Cell:
+    name: str
+    kind: str  # ours | torchrun
+    flags: tuple[str, ...] = ()
+    recoveries: list[float] = field(default_factory=list)
+    phases: list[dict[str, float]] = field(default_factory=list)
+    runs: int = 0
+    failed_runs: int = 0
+    standby_rss: list[int] = field(default_factory=list)
+    standby_uss: list[int] = field(default_factory=list)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def command(cell: Cell, ranks: int, restarts: int, logs: Path) -> list[str]:
+    common = ["--nproc-per-node", str(ranks), "--max-restarts", str(restarts),
+              "--log-dir", str(logs)]
+    if cell.kind == "ours":
+        ensure_bytecode()
+        exe = BIN / "elastic-supervisor"
+        head = [str(exe), "run"] if exe.exists() else [sys.executable, "-m", "supervisor", "run"]
+        return [*head, "--nnodes", "1", *common, "--health-port", "0", *cell.flags]
+    exe = BIN / "torchrun"
+    head = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
+    if cell.name.endswith("static"):
+        rdzv = ["--rdzv-backend", "static", "--nnodes", "1", "--node-rank", "0",
+                "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
+    else:
+        rdzv = ["--standalone", "--nnodes", "1"]
+    return [*head, *rdzv, *common]
+
+
+def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -> int:
+    """One launcher run; adds its recoveries to the cell; returns how many it had."""
+    root = Path(tempfile.mkdtemp(prefix=f"recovery-{cell.kind}-"))
+    out = root / "out"
+    out.mkdir()
+    argv = [*command(cell, ranks, crashes, root / "logs"), str(JOB), str(out),
+            "--crashes", str(crashes), *(["--kill"] if kill else [])]
+    env = launcher_env()
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=open(root / "err", "wb"), env=env, cwd=root,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        sampled = False
+        while proc.poll() is None and time.monotonic() < deadline:
+            if not sampled and "--preload" in cell.flags and (out / "a0_r0.json").exists():
+                sampled = sample_standbys(cell, proc.pid, ranks, out)
+            time.sleep(0.05)
+    finally:
+        stop(proc)
+    found = collect(cell, out, ranks, crashes)
+    cell.runs += 1
+    if found < crashes:
+        cell.failed_runs += 1
+    if os.environ.get("BENCH_KEEP"):
+        print(f"  kept {root}", file=sys.stderr)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return found
+
+
+def sample_standbys(cell: Cell, pid: int, ranks: int, out: Path) -> bool:
+    """RSS/USS of the preloaded standbys, once they are all there and done importing."""
+    if (out / "crash_0").exists():
+        return True  # too late for this run
+    try:
+        standbys = [p for p in psutil.Process(pid).children(recursive=True)
+                    if is_standby_command(p.cmdline())]
+    except psutil.Error:
+        return False
+    if len(standbys) < ranks:
+        return False
+    try:
+        if any(p.cpu_percent(interval=0.2) > 5 for p in standbys):
+            return False  # still importing
+        cell.standby_rss += [p.memory_info().rss for p in standbys]
+        cell.standby_uss += [p.memory_full_info().uss for p in standbys]
+    except psutil.Error:
+        return False
+    return True
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)  # anything left in its session (torchrun's)
+    proc.wait()
+
+
+def collect(cell: Cell, out: Path, ranks: int, crashes: int) -> int:
+    found = 0
+    for k in range(crashes):
+        crash = out / f"crash_{k}"
+        records = [out / f"a{k + 1}_r{r}.json" for r in range(ranks)]
+        if not crash.exists() or not all(p.exists() for p in records):
+            break
+        t_crash = float(crash.read_text())
+        recs = [json.loads(p.read_text()) for p in records]
+        last = max(recs, key=lambda r: r["step"])
+        cell.recoveries.append(last["step"] - t_crash)
+        cell.phases.append({
+            PHASES[0]: max(r["start"] for r in recs) - t_crash,
+            PHASES[1]: statistics.median(r["torch"] - r["start"] for r in recs),
+            PHASES[2]: statistics.median(r["pg"] - r["torch"] for r in recs),
+            PHASES[3]: statistics.median(r["step"] - r["pg"] for r in recs),
+        })
+        found += 1
+    return found
+
+
+def cells() -> list[Cell]:
+    return [
+        Cell("ours cold", "ours", ("--no-warm-restart",)),
+        Cell("ours warm", "ours"),
+        Cell("ours warm + preload", "ours", ("--preload", "torch,torch._dynamo")),
+        Cell("torchrun standalone", "torchrun"),
+        Cell("torchrun static", "torchrun"),
+    ]
+
+
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="2,4")
+    ap.add_argument("--crashes", default="exit,kill")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--torchrun-runs", type=int, default=12)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--only", default="", help="comma-separated launcher names to run")
+    a = ap.parse_args()
+    results = []
+    for ranks in (int(r) for r in a.ranks.split(",")):
+        for mode in a.crashes.split(","):
+            kill = mode == "kill"
+            for cell in cells():
+                if a.only and cell.name not in a.only.split(","):
+                    continue
+                started = time.monotonic()
+                if cell.kind == "ours":
+                    run_once(cell, ranks, a.reps, kill, timeout=60 + 15 * a.reps)
+                else:
+                    while len(cell.recoveries) < a.reps and cell.runs < a.torchrun_runs:
+                        run_once(cell, ranks, a.reps - len(cell.recoveries), kill,
+                                 timeout=60 + 15 * a.reps)
+                row = summarise(cell, ranks, mode, time.monotonic() - started)
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    table(results)
+    if a.out:
+        a.out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def summarise(cell: Cell, ranks: int, mode: str, seconds: float) -> dict[str, object]:
+    phases = {p: median([ph[p] for ph in cell.phases]) for p in PHASES}
+    return {
+        "ranks": ranks, "crash": mode, "launcher": cell.name, "n": len(cell.recoveries),
+        "median": median(cell.recoveries),
+        "min": min(cell.recoveries) if cell.recoveries else None,
+        "max": max(cell.recoveries) if cell.recoveries else None,
+        "phases": phases, "runs": cell.runs, "failed_runs": cell.failed_runs,
+        "standby_rss_mib": (median([float(v) for v in cell.standby_rss]) or 0) / 2**20 or None,
+        "standby_uss_mib": (median([float(v) for v in cell.standby_uss]) or 0) / 2**20 or None,
+        "seconds": round(seconds, 1),
+    }
+
+
+def table(results: list[dict[str, object]]) -> None:
+    print("\n| ranks | crash | launcher | recoveries | median s | min-max s | phases (median s) |"
+          " runs failed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        med = r["median"]
+        phases = r["phases"]
+        assert isinstance(phases, dict)
+        ph = ", ".join(f"{k} {v:.3f}" for k, v in phases.items() if v is not None)
+        span = (f"{r['min']:.3f}-{r['max']:.3f}" if r["min"] is not None else "-")
+        print(f"| {r['ranks']} | {r['crash']} | {r['launcher']} | {r['n']} | "
+              f"{med:.3f} | {span} | {ph} | {r['failed_runs']}/{r['runs']} |"
+              if isinstance(med, float) else
+              f"| {r['ranks']} | {r['crash']} | {r['launcher']} | 0 | never recovered | - | - |"
+              f" {r['failed_runs']}/{r['runs']} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
