@@ -36,6 +36,7 @@ from supervisor.events import EventLog
 from supervisor.rendezvous.base import Rendezvous, RendezvousError, RendezvousResult
 from supervisor.workers.group import (
     Attempt,
+    AttemptPrepError,
     CommandFor,
     CpusFor,
     WorkerGroup,
@@ -254,7 +255,7 @@ class Controller:
 
     def _stale(self, event: sm.Event) -> bool:
         attempt = getattr(event, "attempt", None)
-        if isinstance(event, sm.GroupLaunched):
+        if isinstance(event, sm.GroupLaunched | sm.LaunchFailed):
             return False
         return attempt is not None and attempt != self.state.attempt
 
@@ -339,17 +340,23 @@ class Controller:
         self._post(sm.BarrierDone(result.ok, result.message))
 
     def _backoff(self, decision: sm.StartBackoff) -> None:
-        self.events.emit(
-            "restart_scheduled", delay=round(decision.delay, 6), reason=decision.reason,
-            ceiling=decision.ceiling,
-            restart_count=self.state.restart_count,
-            budget_left=self.policy.budget_left(self.state.history, time.monotonic()),
-        )
-        logger.warning("restarting the worker group: %s", decision.reason)
+        if decision.counted:
+            self.events.emit(
+                "restart_scheduled", delay=round(decision.delay, 6), reason=decision.reason,
+                ceiling=decision.ceiling,
+                restart_count=self.state.restart_count,
+                budget_left=self.policy.budget_left(self.state.history, time.monotonic()),
+            )
+            logger.warning("restarting the worker group: %s", decision.reason)
+        else:
+            self.events.emit("prepare_retry_scheduled", delay=round(decision.delay, 6),
+                             reason=decision.reason)
+            logger.warning("preparing the attempt again: %s", decision.reason)
 
         async def wait() -> None:
             try:  # count it job-wide first, so every node sees the same budget
-                await self.rendezvous.record_failure_restart(decision.reason)
+                if decision.counted:
+                    await self.rendezvous.record_failure_restart(decision.reason)
             except RendezvousError as exc:
                 logger.warning("cannot record the restart job-wide: %s", exc)
             await anyio.sleep(decision.delay)
@@ -363,8 +370,15 @@ class Controller:
         group = self.group
         self.progress.reset(decision.attempt)
         self.events.attempt = decision.attempt
-        attempt, failed_to_start = group.launch(decision.attempt, decision.restart_count,
-                                                self.round)
+        try:
+            attempt, failed_to_start = group.launch(decision.attempt, decision.restart_count,
+                                                    self.round)
+        except AttemptPrepError as exc:
+            logger.error("%s (the supervisor's failure, not the workers': no restart is used)",
+                         exc)
+            self.events.emit("attempt_prepare_failed", message=str(exc))
+            self._apply(sm.LaunchFailed(decision.attempt, str(exc), time.monotonic()))
+            return
         self._tg.start_soon(group.supervise, attempt, self._watch_membership)
         layout = attempt.layout
         self.events.emit(

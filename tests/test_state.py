@@ -138,3 +138,37 @@ def test_events_after_the_end_change_nothing() -> None:
     state, _ = run([*launched(), exited(0, 0), exited(1, 0), sm.BarrierDone()])
     again, decision = sm.transition(state, exited(0, 1), POLICY)
     assert again == state and decision == sm.Nothing()
+
+
+# ---------------------------------------------------------------- supervisor-side failures
+def test_attempt_the_supervisor_cannot_prepare_is_retried_without_the_budget() -> None:
+    state, decisions = run([sm.RendezvousComplete(1, 2), sm.LaunchFailed(1, "ENOSPC", 1.0)])
+    assert state.phase is sm.Phase.BACKOFF
+    assert state.restart_count == 0 and state.prepare_failures == 1
+    backoff = decisions[-1]
+    assert isinstance(backoff, sm.StartBackoff) and not backoff.counted
+    assert backoff.delay == sm.prepare_retry_delay(1) == 1.0
+    assert state.last_failure is not None
+    assert state.last_failure.kind is sm.FailureKind.SUPERVISOR
+
+
+def test_preparation_retries_back_off_and_then_fail_with_their_own_exit_code() -> None:
+    events: list[sm.Event] = []
+    for n in range(1, sm.PREPARE_RETRIES + 2):
+        events += [sm.RendezvousComplete(n, 2), sm.LaunchFailed(n, "no inodes", float(n))]
+        if n <= sm.PREPARE_RETRIES:
+            events.append(sm.BackoffElapsed())
+    state, decisions = run(events)
+    delays = [d.delay for d in decisions if isinstance(d, sm.StartBackoff)]
+    assert delays == [min(30.0, 2.0 ** i) for i in range(sm.PREPARE_RETRIES)]
+    assert state.phase is sm.Phase.FAILED
+    assert state.exit_code == sm.EXIT_PREPARE_FAILED == 73
+    assert state.restart_count == 0
+    assert state.root_cause is not None and "no inodes" in state.root_cause.describe()
+
+
+def test_a_launch_that_succeeds_clears_the_preparation_failures() -> None:
+    state, _ = run([sm.RendezvousComplete(1, 2), sm.LaunchFailed(1, "ENOSPC", 1.0),
+                    sm.BackoffElapsed(), sm.RendezvousComplete(2, 2),
+                    sm.GroupLaunched(2, RANKS, 2.0)])
+    assert state.phase is sm.Phase.RUNNING and state.prepare_failures == 0

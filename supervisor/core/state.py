@@ -16,6 +16,13 @@ from msgspec.structs import replace
 
 from supervisor.core.policy import RestartHistory, RestartPolicy
 
+# An attempt the supervisor cannot prepare (full log disk, no inodes) is retried after
+# 1, 2, 4, ... 30 s, at most PREPARE_RETRIES times in a row (about 3.5 min in all), then the
+# job ends with EXIT_PREPARE_FAILED (sysexits' EX_CANTCREAT); never the restart budget.
+PREPARE_RETRIES = 10
+PREPARE_RETRY_MAX = 30.0
+EXIT_PREPARE_FAILED = 73
+
 
 class Phase(enum.Enum):
     """Where the supervisor is in its run loop."""
@@ -52,6 +59,7 @@ class FailureKind(enum.Enum):
     UNHEALTHY = "unhealthy"  # uninterruptible sleep or similar
     REMOTE = "remote"  # another node's failure (multi-node)
     RENDEZVOUS = "rendezvous"  # rendezvous could not complete
+    SUPERVISOR = "supervisor"  # the supervisor could not prepare an attempt (disk full...)
 
 
 class Failure(msgspec.Struct, frozen=True):
@@ -81,6 +89,8 @@ class Failure(msgspec.Struct, frozen=True):
     @property
     def process_exit_code(self) -> int:
         """The code the supervisor exits with when this failure ends the job."""
+        if self.kind is FailureKind.SUPERVISOR:
+            return EXIT_PREPARE_FAILED
         if self.exit_code is not None and 1 <= self.exit_code <= 125:
             return self.exit_code
         return 1
@@ -103,6 +113,14 @@ class RendezvousComplete(msgspec.Struct, frozen=True):
 
 
 class RendezvousFailed(msgspec.Struct, frozen=True):
+    message: str
+    at: float
+
+
+class LaunchFailed(msgspec.Struct, frozen=True):
+    """The supervisor could not prepare the attempt (nothing was started)."""
+
+    attempt: int
     message: str
     at: float
 
@@ -172,6 +190,7 @@ class BarrierDone(msgspec.Struct, frozen=True):
 Event = (
     RendezvousComplete
     | RendezvousFailed
+    | LaunchFailed
     | GroupLaunched
     | WorkerExited
     | DeadlineExpired
@@ -213,6 +232,7 @@ class StartBackoff(msgspec.Struct, frozen=True):
     delay: float
     reason: str
     ceiling: float = 0.0  # the backoff's upper bound for this restart (before jitter)
+    counted: bool = True  # a failure restart (job-wide budget); False: a retry of ours
 
 
 class EnterExitBarrier(msgspec.Struct, frozen=True):
@@ -254,6 +274,7 @@ class State(msgspec.Struct, frozen=True):
     history: RestartHistory = msgspec.field(default_factory=RestartHistory)
     exit_code: int | None = None
     last_decision_reason: str = ""
+    prepare_failures: int = 0  # attempts in a row the supervisor could not prepare
 
 
 class InvalidTransition(Exception):
@@ -298,9 +319,13 @@ def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State
                     root_cause=None,
                     stop_reason=None,
                     history=state.history.started(event.at),
+                    prepare_failures=0,
                 ),
                 Nothing(),
             )
+        # STARTING -> BACKOFF (retry, no budget) or FAILED: the supervisor's own failure
+        case Phase.STARTING, LaunchFailed():
+            return _on_launch_failed(state, event)
         case Phase.RUNNING, WorkerExited():
             return _on_exit_running(state, event)
         case Phase.RUNNING, DeadlineExpired():
@@ -340,6 +365,24 @@ def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State
         case Phase.EXIT_BARRIER, MembershipChanged() | RemoteFailure() | DeadlineExpired():
             return state, Nothing()
     raise InvalidTransition(state, event)
+
+
+def _on_launch_failed(state: State, event: LaunchFailed) -> tuple[State, Decision]:
+    failures = state.prepare_failures + 1
+    failure = Failure(FailureKind.SUPERVISOR, event.attempt, event.at, message=event.message)
+    if failures > PREPARE_RETRIES:
+        reason = f"gave up after {failures} attempts could not be prepared"
+        return _finish(state, Phase.FAILED, EXIT_PREPARE_FAILED, reason, failure)
+    delay = prepare_retry_delay(failures)
+    reason = f"retry {failures}/{PREPARE_RETRIES} in {delay:g} s: {failure.describe()}"
+    state = replace(state, phase=Phase.BACKOFF, prepare_failures=failures,
+                    last_failure=failure, last_decision_reason=reason)
+    return state, StartBackoff(delay, reason, delay, counted=False)
+
+
+def prepare_retry_delay(failures: int) -> float:
+    """Seconds before retrying the ``failures``-th attempt we could not prepare."""
+    return float(min(PREPARE_RETRY_MAX, 2 ** (failures - 1)))
 
 
 def _on_exit_running(state: State, event: WorkerExited) -> tuple[State, Decision]:

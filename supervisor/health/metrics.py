@@ -80,6 +80,10 @@ class Metrics:
         self.http_requests = self._counter(
             "http_requests", "HTTP requests served, by path and status code.", ("path", "code")
         )
+        self.prepare_failures = self._counter(
+            "attempt_prepare_failures",
+            "Attempts the supervisor could not prepare (its own failure: full disk...).",
+        )
 
     def _make_watchdog_counters(self) -> None:
         self.watchdog_accepted = self._counter(
@@ -117,6 +121,8 @@ class Metrics:
         """Count what one state-machine step means (called by the controller after it)."""
         if isinstance(event, sm.WorkerExited):
             self.record_worker_exit(_exit_outcome(old, event))
+        if isinstance(event, sm.LaunchFailed):
+            self.prepare_failures.inc()
         if new.root_cause is not None and new.root_cause is not old.root_cause:
             self.failures.labels(new.root_cause.kind.value).inc()
         reason = _restart_reason(old, new, decision)
@@ -212,6 +218,8 @@ def _exit_outcome(old: sm.State, event: sm.WorkerExited) -> str:
 
 def _restart_reason(old: sm.State, new: sm.State, decision: sm.Decision) -> str | None:
     if isinstance(decision, sm.StartBackoff):
+        if not decision.counted:
+            return None  # a retry of the supervisor's own preparation, not a restart
         return new.root_cause.kind.value if new.root_cause is not None else "unknown"
     if (
         isinstance(decision, sm.StartRendezvous)

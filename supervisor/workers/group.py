@@ -53,6 +53,10 @@ Post = Callable[[sm.Event], None]
 STORE_WAIT = 5.0  # seconds a warm rank waits for rank 0's store before it dials anyway
 
 
+class AttemptPrepError(OSError):
+    """The supervisor could not prepare an attempt (its own failure, not the workers')."""
+
+
 @dataclass(eq=False)
 class Attempt:
     """One incarnation of the worker group."""
@@ -160,14 +164,15 @@ class WorkerGroup:
         attempt = Attempt(
             number, dir_index, self.log_root / self.run_id / f"attempt_{dir_index}", rnd, layout
         )
+        specs = self._prepare(attempt)  # raises AttemptPrepError: nothing was started
         self.attempt = attempt
         failed_to_start: list[tuple[int, str]] = []
-        for local_rank in range(layout.local_world_size):
+        for spec in specs:
             try:
-                attempt.workers.append(self._spawn(attempt, local_rank))
+                attempt.workers.append(self._start(spec))
             except OSError as exc:
-                logger.error("cannot start local rank %d: %s", local_rank, exc)
-                failed_to_start.append((local_rank, str(exc)))
+                logger.error("cannot start local rank %d: %s", spec.local_rank, exc)
+                failed_to_start.append((spec.local_rank, str(exc)))
         return attempt, failed_to_start
 
     def _rank_env(self, attempt: Attempt, local_rank: int) -> dict[str, str]:
@@ -176,19 +181,33 @@ class WorkerGroup:
             error_file=str(attempt.error_file(local_rank)), timer_file=self.timer_file,
         )
 
-    def _spawn(self, attempt: Attempt, local_rank: int) -> Worker:
-        rank_dir = attempt.directory / str(local_rank)
-        rank_dir.mkdir(parents=True, exist_ok=True)
-        env = self._rank_env(attempt, local_rank)
-        global_rank = attempt.layout.rank_offset + local_rank
-        argv = self.command(local_rank, global_rank, rank_dir)
-        stdout, stderr = self.output.open_rank(
-            attempt.dir_index, rank_dir, local_rank, global_rank,
-            restart_count=attempt.layout.restart_count,
-        )
-        spec = WorkerSpec(
-            local_rank, global_rank, argv, env, stdout, stderr, cpus=self.cpus(local_rank)
-        )
+    def _prepare(self, attempt: Attempt) -> list[WorkerSpec]:
+        """Directories, environment and output of every rank, before any is started.
+
+        A failure here (full disk, no inodes, a directory that cannot be made) is the
+        supervisor's, not the workers': it raises ``AttemptPrepError`` with nothing left
+        behind, and the caller retries without touching the restart budget."""
+        specs: list[WorkerSpec] = []
+        try:
+            for local_rank in range(attempt.layout.local_world_size):
+                rank_dir = attempt.directory / str(local_rank)
+                rank_dir.mkdir(parents=True, exist_ok=True)
+                env = self._rank_env(attempt, local_rank)
+                global_rank = attempt.layout.rank_offset + local_rank
+                argv = self.command(local_rank, global_rank, rank_dir)
+                stdout, stderr = self.output.open_rank(
+                    attempt.dir_index, rank_dir, local_rank, global_rank,
+                    restart_count=attempt.layout.restart_count,
+                )
+                specs.append(WorkerSpec(local_rank, global_rank, argv, env, stdout, stderr,
+                                        cpus=self.cpus(local_rank)))
+        except OSError as exc:
+            for spec in specs:
+                self.output.after_spawn(spec.local_rank)  # their pipes reach EOF
+            raise AttemptPrepError(f"cannot prepare {attempt.directory}: {exc}") from exc
+        return specs
+
+    def _start(self, spec: WorkerSpec) -> Worker:
         try:
             worker = self._warm_start(spec)
             if worker is None:
@@ -196,8 +215,8 @@ class WorkerGroup:
                 if self.guardian is not None:
                     self.guardian.watch(worker.pid)
         finally:
-            self.output.after_spawn(local_rank)
-        logger.debug("local rank %d started as pid %d", local_rank, worker.pid)
+            self.output.after_spawn(spec.local_rank)
+        logger.debug("local rank %d started as pid %d", spec.local_rank, worker.pid)
         return worker
 
     # ------------------------------------------------------------------ warm restarts
