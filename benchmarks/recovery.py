@@ -1,7 +1,7 @@
 """Recovery of a real DDP job, side by side with torchrun (issue 15's benchmark).
 
     python benchmarks/recovery.py [--ranks 2,4] [--crashes kill,exit] [--reps 10]
-                                  [--torchrun-runs 12] [--out FILE.json]
+                                  [--torchrun-runs 12] [--json FILE] [--only NAMES]
 
 The job is ``benchmarks/recovery_job.py`` (torch CPU, gloo, ``Linear(64, 64)`` under DDP).
 One run of a launcher crashes the job ``reps`` times (the last rank exits 3, or is
@@ -95,9 +95,9 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
     argv = [*command(cell, ranks, crashes, root / "logs"), str(JOB), str(out),
             "--crashes", str(crashes), *(["--kill"] if kill else [])]
     env = launcher_env()
-    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=open(root / "err", "wb"), env=env, cwd=root,
-                            start_new_session=True)
+    with open(root / "err", "wb") as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=err, env=env, cwd=root, start_new_session=True)
     try:
         deadline = time.monotonic() + timeout
         sampled = False
@@ -143,10 +143,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             proc.wait(20)
-        except subprocess.TimeoutExpired:
-            pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)  # anything left in its session (torchrun's)
     proc.wait()
@@ -193,7 +191,7 @@ def main() -> int:
     ap.add_argument("--crashes", default="exit,kill")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--torchrun-runs", type=int, default=12)
-    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--only", default="", help="comma-separated launcher names to run")
     a = ap.parse_args()
     results = []
@@ -212,10 +210,16 @@ def main() -> int:
                                  timeout=60 + 15 * a.reps)
                 row = summarise(cell, ranks, mode, time.monotonic() - started)
                 results.append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps(row), file=sys.stderr, flush=True)
     table(results)
-    if a.out:
-        a.out.write_text(json.dumps(results, indent=1) + "\n")
+    ratios(results)
+    mem = [r for r in results if r.get("standby_rss_mib")]
+    if mem:
+        print("\nPreloaded standby (torch, torch._dynamo), median per standby: "
+              + "; ".join(f"{r['ranks']} ranks: RSS {r['standby_rss_mib']:.0f} MiB, "
+                          f"USS {r['standby_uss_mib']:.0f} MiB" for r in mem))
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 
@@ -231,6 +235,27 @@ def summarise(cell: Cell, ranks: int, mode: str, seconds: float) -> dict[str, ob
         "standby_uss_mib": (median([float(v) for v in cell.standby_uss]) or 0) / 2**20 or None,
         "seconds": round(seconds, 1),
     }
+
+
+def ratios(results: list[dict[str, object]]) -> None:
+    """How many times faster ``ours warm + preload`` recovered than each other cell."""
+    print("\n| ranks | crash | preload median s | x vs ours cold | x vs ours warm |"
+          " x vs torchrun standalone | x vs torchrun static |")
+    print("|---|---|---|---|---|---|---|")
+    groups: dict[tuple[object, object], dict[str, object]] = {}
+    for r in results:
+        groups.setdefault((r["ranks"], r["crash"]), {})[str(r["launcher"])] = r["median"]
+    for (ranks, crash), cells in groups.items():
+        base = cells.get("ours warm + preload")
+        if not isinstance(base, float):
+            continue
+
+        def x(name: str, cells: dict[str, object] = cells, base: float = base) -> str:
+            other = cells.get(name)
+            return f"{other / base:.1f}x" if isinstance(other, float) else "n/a"
+
+        print(f"| {ranks} | {crash} | {base:.3f} | {x('ours cold')} | {x('ours warm')} | "
+              f"{x('torchrun standalone')} | {x('torchrun static')} |")
 
 
 def table(results: list[dict[str, object]]) -> None:
