@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -131,3 +132,39 @@ async def test_two_nodes_over_etcd_train_like_one_group(tmp_path: Path) -> None:
     assert m, result.stderr[-2000:]
     expected = m.group(1)
     assert losses == [expected]
+
+
+async def _hang_kill_resume(
+    tmp_path: Path, name: str, flags: list[str]
+) -> tuple[str, list[object]]:
+    """Rank 1 hangs at step 30 of the first attempt; once ``ready`` (the standbys are
+    preloaded, if asked) it is SIGKILLed; the job resumes from its step-20 checkpoint.
+    Returns the final loss and which ranks the restart started warm."""
+    logs = tmp_path / f"logs-{name}"
+    args = [*TEE, "--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
+            "--log-dir", str(logs), "--log-level", "info", *flags, TRAIN, *STEPS,
+            "--checkpoint-dir", str(tmp_path / f"ck-{name}"), "--hang-at", "30",
+            "--step-timeout", "600"]
+    async with supervisor(args) as sup:
+        pid = int((await sup.out.expect(r"rank 1/2 pid (\d+) starting at step 0",
+                                        timeout=120)).group(1))
+        await sup.out.expect(r"rank 1 hanging at step 30", timeout=120)
+        if "--preload" in flags:
+            for _ in range(2):
+                await sup.err.expect(r"preloaded torch,torch._dynamo in", timeout=120)
+        os.kill(pid, signal.SIGKILL)
+        await sup.out.expect(r"starting at step 20 \(restart 1\)", timeout=120)
+        loss = (await sup.out.expect(FINAL, timeout=240)).group(1)
+        assert await sup.wait() == 0
+    events = (logs / "none" / "events.jsonl").read_text().splitlines()
+    warm = [json.loads(e).get("warm") for e in events if '"group_started"' in e]
+    return loss, warm
+
+
+async def test_preloaded_restart_resumes_to_the_loss_of_a_cold_restart(tmp_path: Path) -> None:
+    preloaded, warm = await _hang_kill_resume(
+        tmp_path, "preload", ["--preload", "torch,torch._dynamo", "--preload-after", "0"])
+    assert warm == [None, [0, 1]]  # the restart ran in the preloaded standbys
+    cold, warm = await _hang_kill_resume(tmp_path, "cold", ["--no-warm-restart"])
+    assert warm == [None, None]
+    assert preloaded == cold
