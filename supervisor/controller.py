@@ -46,6 +46,8 @@ from supervisor.workers.guardian import Guardian
 from supervisor.workers.output import OutputPlan
 from supervisor.workers.spawn import Worker, signal_workers
 
+AUTO_SETTLE = 5.5  # s after a launch: a warm worker has recorded its imports at 1 and 5 s
+
 __all__ = ["Attempt", "CommandFor", "Controller", "CpusFor", "ForwardSignal", "Observer",
            "ReopenLogs", "SnapshotHub", "settings_command"]
 
@@ -411,8 +413,11 @@ class Controller:
         compete with the very ranks that are resuming. So they start when every rank has
         shown progress in this attempt, or ``preload_after`` seconds after the launch for
         a job that shows none (their imports run at idle CPU priority in any case)."""
+        launched = time.monotonic()
         with anyio.move_on_after(self.settings.preload_after):
             await self._all_progressed(attempt)
+        if self.group.standby_options.auto:  # the workers' second record of their imports
+            await anyio.sleep(max(0.0, launched + AUTO_SETTLE - time.monotonic()))
         if self.attempt is attempt and self.state.phase is sm.Phase.RUNNING:
             self.group.learn_store(attempt)
             await self.group.start_standbys(self.group.plan_standbys(attempt))

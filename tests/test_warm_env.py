@@ -185,3 +185,84 @@ def test_env_mismatch_names_the_variable_that_differs(
     started: dict[str, str], worker: dict[str, str], changed: str | None
 ) -> None:
     assert env_mismatch(started, worker) == changed
+
+
+# ---------------------------------------------------------------------- --preload auto
+AUTO_JOB = '''\
+import json, os, sys, time
+start_modules = sorted(sys.modules)
+import psutil, rankreader_local, rankreader_pkg
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+out = sys.argv[1]
+with open(os.path.join(out, f"{restart}.json.tmp"), "w") as f:
+    json.dump({"modules": start_modules, "pkg": rankreader_pkg.RANK_AT_IMPORT,
+               "local": rankreader_local.RANK_AT_IMPORT, "rank": os.environ["RANK"]}, f)
+os.replace(os.path.join(out, f"{restart}.json.tmp"), os.path.join(out, f"{restart}.json"))
+gate = os.path.join(out, f"go{restart}")
+deadline = time.monotonic() + 120
+while not os.path.exists(gate) and time.monotonic() < deadline:
+    time.sleep(0.01)
+sys.exit(1 if restart < 2 else 0)
+'''
+RANKREADER_LOCAL = 'import os\nRANK_AT_IMPORT = os.environ.get("RANK", "unset")\n'
+
+
+def install_rankreader(target: Path) -> None:
+    """Install the test distribution (it reads RANK at import) into ``target``."""
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+         "--no-build-isolation", "--target", str(target),
+         str(TESTS / "data" / "rankreader_pkg")],
+        capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        pytest.skip(f"cannot install the test distribution (pip, setuptools): {done.stderr}")
+
+
+async def test_preload_auto_learns_imports_and_never_preloads_a_rank_reader(
+    tmp_path: Path,
+) -> None:
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    (job_dir / "job.py").write_text(AUTO_JOB)
+    (job_dir / "rankreader_local.py").write_text(RANKREADER_LOCAL)  # next to the script
+    site = tmp_path / "site"
+    install_rankreader(site)
+    out = tmp_path / "out"
+    out.mkdir()
+    import psutil
+
+    installed = Path(psutil.__file__).read_bytes()
+    args = [*BASE, "--max-restarts", "2", "--log-dir", str(tmp_path / "logs"),
+            "--preload", "auto", "--preload-after", "0", str(job_dir / "job.py"), str(out)]
+    async with supervisor(args, env={"PYTHONPATH": str(site)}) as sup:
+        # attempt 0 ran cold: its mapped extension modules (psutil) are preloaded
+        await sup.err.expect(r"standby for local rank 0 preloaded auto in", timeout=60)
+        (out / "go0").touch()
+        # attempt 1 ran warm and recorded its imports; the installed package that reads
+        # RANK taints the next standby, which is replaced by one without it
+        await sup.err.expect(r"--preload auto: 'rankreader_pkg' reads RANK while it imports; "
+                             r"package 'rankreader_pkg' is never preloaded", timeout=60)
+        await sup.err.expect(r"standby for local rank 0 preloaded auto in", timeout=60)
+        (out / "go1").touch()
+        await anyio_wait_file(out / "2.json")
+        (out / "go2").touch()
+        assert await sup.wait() == 0
+    records = [json.loads((out / f"{i}.json").read_text()) for i in range(3)]
+    assert "psutil" not in records[0]["modules"]
+    assert "psutil" in records[1]["modules"] and "psutil" in records[2]["modules"]
+    for record in records:  # never preloaded, from the script's dir or installed
+        assert "rankreader_pkg" not in record["modules"]
+        assert "rankreader_local" not in record["modules"]
+        assert record["pkg"] == record["local"] == record["rank"] == "0"
+    # regression: the import recorder once wrote its list over the last module's file
+    assert Path(psutil.__file__).read_bytes() == installed
+
+
+async def anyio_wait_file(path: Path, timeout: float = 60.0) -> None:
+    import anyio
+
+    with anyio.fail_after(timeout):
+        while not path.exists():
+            await anyio.sleep(0.01)  # polling a file the worker writes, bounded

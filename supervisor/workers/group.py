@@ -28,6 +28,7 @@ from supervisor.core import state as sm
 from supervisor.core.envs import GroupLayout, interpreter, worker_argv, worker_env
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import RendezvousResult
+from supervisor.workers import autopreload
 from supervisor.workers.errorfile import read_error_file
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.output import OutputPlan
@@ -50,6 +51,7 @@ CommandFor = Callable[[int, int, Path], list[str]]
 # local_rank -> CPUs to bind the worker to, or None
 CpusFor = Callable[[int], tuple[int, ...] | None]
 Post = Callable[[sm.Event], None]
+TAINT_RETRIES = 3  # new standbys per rank after auto preloads that read a per-attempt variable
 STORE_WAIT = 5.0  # seconds a warm rank waits for rank 0's store before it dials anyway
 
 
@@ -69,12 +71,23 @@ class Attempt:
     workers: list[Worker] = field(default_factory=list)
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     kill_now: anyio.Event = field(default_factory=anyio.Event)
+    stopping: bool = False  # set when its stop begins: no new standbys from then on
 
     def error_file(self, local_rank: int) -> Path:
         return self.directory / str(local_rank) / "error.json"
 
 
-_Wanted = tuple[int, dict[str, str], str | None, tuple[int, ...] | None]
+@dataclass
+class _Wanted:
+    """One standby to start: its rank, environment, cwd, CPUs; what to learn from."""
+
+    rank: int
+    env: dict[str, str]
+    cwd: str | None
+    cpus: tuple[int, ...] | None
+    rank_dir: Path
+    pid: int  # the rank's current worker (its imports are what ``auto`` preloads)
+    warm: bool
 
 
 @dataclass
@@ -134,7 +147,11 @@ class WorkerGroup:
         self.attempt: Attempt | None = None
         self.standbys: dict[int, Standby] = {}  # local rank -> its warm interpreter
         self.stats = StandbyStats()
-        self.standby_options = StandbyOptions(preload=tuple(settings.preload))
+        explicit = tuple(m for m in settings.preload if m != "auto")
+        self.standby_options = StandbyOptions(preload=explicit, auto="auto" in settings.preload)
+        self.auto_names: dict[int, list[str]] = {}  # local rank -> its last worker's imports
+        self.auto_excluded: set[str] = set()  # packages that read a per-attempt variable
+        self._taint_retries: dict[int, int] = {}
         self._python = self.environ.get("PYTHON_EXEC", sys.executable)
         self._dir_base = _next_attempt_index(log_root / run_id)
         self._spawning: anyio.Event | None = None  # set when standbys being started are in
@@ -230,7 +247,7 @@ class WorkerGroup:
     @property
     def preloading(self) -> bool:
         """Whether standbys import modules before they wait (``--preload``)."""
-        return bool(self.standby_options.preload)
+        return bool(self.standby_options.preload) or self.standby_options.auto
 
     def plan_standbys(self, attempt: Attempt) -> StandbyPlan:
         """Which ranks get a standby for the next attempt (those whose command can run
@@ -244,7 +261,9 @@ class WorkerGroup:
                                                              worker.spec.argv):
                 continue
             env = standby_env(self._rank_env(attempt, rank))
-            wanted.append((rank, env, worker.spec.cwd, worker.spec.cpus))
+            wanted.append(_Wanted(rank, env, worker.spec.cwd, worker.spec.cpus,
+                                  attempt.directory / str(rank), worker.pid,
+                                  bool(worker.extra.get("warm"))))
         done = anyio.Event()
         if wanted:
             self._spawning = done
@@ -281,30 +300,68 @@ class WorkerGroup:
             return  # handed over or discarded meanwhile
         failure = standby.preload_failure()
         if failure is None:
+            what = [*standby.preload, *(["auto"] if standby.auto_spec else [])]
             logger.info("standby for local rank %d preloaded %s in %.2f s",
-                        standby.local_rank, ",".join(standby.preload), time.monotonic() - began)
+                        standby.local_rank, ",".join(what), time.monotonic() - began)
+            if standby.skipped:
+                logger.debug("standby for local rank %d could not preload: %s",
+                             standby.local_rank, standby.skipped)
             return
-        logger.warning("standby for local rank %d discarded, the rank will start cold: %s",
-                       standby.local_rank, failure)
-        self.stats.cold_preload_failed += 1
+        tainted = standby.tainted()
+        if tainted is None:
+            logger.warning("standby for local rank %d discarded, the rank will start cold: %s",
+                           standby.local_rank, failure)
+            self.stats.cold_preload_failed += 1
+        else:
+            logger.warning("--preload auto: %s; package %r is never preloaded in this run",
+                           failure, tainted)
+            self.auto_excluded.add(tainted)
         if self.standbys.get(standby.local_rank) is standby:
             del self.standbys[standby.local_rank]
             standby.discard()
             if self.guardian is not None:
                 self.guardian.forget(standby.pid)
+            attempt = self.attempt
+            retries = self._taint_retries.get(standby.local_rank, 0)
+            if tainted is not None and attempt is not None and not attempt.stopping \
+                    and retries < TAINT_RETRIES:
+                self._taint_retries[standby.local_rank] = retries + 1
+                await self.start_standbys(self.plan_standbys(attempt))  # without it now
 
     def _spawn_standbys(self, wanted: list[_Wanted]) -> list[Standby]:
         started = []
-        for rank, env, cwd, cpus in wanted:
+        for want in wanted:
+            spec = self._auto_spec(want) if self.standby_options.auto else None
             try:
                 started.append(spawn_standby(
-                    rank, self._python, env, self.death, cwd=cwd, cpus=cpus,
-                    options=self.standby_options,
+                    want.rank, self._python, want.env, self.death, cwd=want.cwd,
+                    cpus=want.cpus, options=self.standby_options, auto_spec=spec,
                 ))
             except OSError as exc:
-                logger.warning("cannot start a standby for local rank %d: %s", rank, exc)
+                autopreload.remove_spec(spec)
+                logger.warning("cannot start a standby for local rank %d: %s", want.rank, exc)
                 break
         return started
+
+    def _auto_spec(self, want: _Wanted) -> str | None:
+        """The ``auto`` list of a rank's next standby (in a worker thread: reads files)."""
+        names = autopreload.read_record(want.rank_dir) if want.warm else []
+        source = "its record"
+        if not names:
+            names, source = autopreload.mapped_packages(want.pid), "its mapped libraries"
+        if names:
+            self.auto_names[want.rank] = names
+            logger.debug("local rank %d: --preload auto learned %d module(s) from %s of "
+                         "pid %d: %s", want.rank, len(names), source, want.pid,
+                         ",".join(names[:8]) + ("..." if len(names) > 8 else ""))
+        names = self.auto_names.get(want.rank, [])
+        if not names:
+            return None
+        try:
+            return autopreload.write_spec(names, self.auto_excluded)
+        except OSError as exc:
+            logger.warning("cannot write the preload list of local rank %d: %s", want.rank, exc)
+            return None
 
     async def _standbys_in(self) -> None:
         if self._spawning is not None:
@@ -319,7 +376,10 @@ class WorkerGroup:
         reason = self._cold_reason(standby, spec)
         if reason is None:
             per_attempt = {k: spec.env[k] for k in PER_ATTEMPT_ENV if k in spec.env}
-            worker = standby.go(spec, per_attempt, self._await_store(spec))
+            record = (str(Path(spec.env["TORCHELASTIC_ERROR_FILE"]).parent
+                          / autopreload.RECORD_NAME)
+                      if self.standby_options.auto else None)
+            worker = standby.go(spec, per_attempt, self._await_store(spec), record)
             if worker is None:
                 self.stats.cold_other += 1
         else:
@@ -418,6 +478,8 @@ class WorkerGroup:
     # ------------------------------------------------------------------ stop
     async def stop(self, attempt: Attempt | None, signum: int) -> None:
         """Stop the attempt's workers: ``signum``, the grace, SIGKILL, sweep, reap."""
+        if attempt is not None:
+            attempt.stopping = True
         await self._standbys_in()
         if attempt is None or not attempt.workers:
             return

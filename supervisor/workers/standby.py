@@ -52,6 +52,7 @@ import anyio
 import msgspec
 
 from supervisor.core.envs import PER_ATTEMPT_ENV, interpreter
+from supervisor.workers import autopreload
 from supervisor.workers.spawn import DeathSignal, Worker, WorkerSpec, spawn_worker
 
 logger = logging.getLogger(__name__)
@@ -74,9 +75,40 @@ def _standby():
     initial = {k: v for k, v in main.items() if k != "_standby"}
     sock = _socket.socket(fileno=0)
     preload = [m for m in sys.argv[1].split(",") if m] if len(sys.argv) > 1 else []
+    auto = sys.argv[2] if len(sys.argv) > 2 else None
     done = _thread.allocate_lock()
-    failure = []
-    if preload:
+    failure, skipped = [], []
+    def _auto(path):
+        # modules an earlier worker of this rank imported from installed distributions;
+        # one that reads a per-attempt variable while it imports taints the standby
+        with open(path, "rb") as f:
+            spec = marshal.loads(f.read())
+        os.unlink(path)
+        import importlib.metadata
+        installed = importlib.metadata.packages_distributions()
+        watch, reads = frozenset(spec["watch"]), []
+        base = type(os.environ)
+        class Watched(base):
+            def __getitem__(self, key):
+                if key in watch:
+                    reads.append(key)
+                return base.__getitem__(self, key)
+        os.environ.__class__ = Watched
+        try:
+            for name in spec["names"]:
+                top = name.partition(".")[0]
+                if top not in installed or top in spec["exclude"] or name in sys.modules:
+                    continue
+                try:
+                    __import__(name)
+                except Exception as exc:  # a module made on the fly, or one that fails
+                    skipped.append(f"{name} ({type(exc).__name__}: {exc})")
+                if reads:
+                    failure.append(f"T{top}\t{name!r} reads {reads[0]} while it imports")
+                    return
+        finally:
+            os.environ.__class__ = base
+    if preload or auto:
         done.acquire()
         def _preload():
             try:
@@ -91,6 +123,10 @@ def _standby():
                         failure.append(f"preloading {name!r} failed: "
                                        f"{type(exc).__name__}: {exc}")
                         return
+                if auto:
+                    _auto(auto)
+                    if failure:
+                        return
                 torch = sys.modules.get("torch")
                 cuda = getattr(torch, "cuda", None)
                 if cuda is not None and cuda.is_initialized():
@@ -99,7 +135,8 @@ def _standby():
                 failure.append(f"preloading failed: {type(exc).__name__}: {exc}")
             finally:
                 try:
-                    sock.send(b"F" + failure[0].encode() if failure else b"R")
+                    sock.send(b"F" + failure[0].encode() if failure
+                              else b"R" + "; ".join(skipped[:5]).encode()[:4000])
                 except OSError:
                     pass
                 done.release()
@@ -119,7 +156,7 @@ def _standby():
             need = 8 + int.from_bytes(data[:8], "big")
     go = marshal.loads(data[8:need])
     del data, chunk, anc
-    if preload:
+    if preload or auto:
         done.acquire()  # handed over while still importing: finish first (ahead of cold)
     sock.detach()
     null = os.open(os.devnull, os.O_RDWR)
@@ -155,7 +192,32 @@ def _standby():
     os.environ.update(go["env"])
     sys.orig_argv[:] = go["orig_argv"]
     argv = go["argv"]
-    del go, fds, done, failure, preload
+    record = go.get("record")
+    if record:  # --preload auto: note what this worker imports, for the next standby
+        def _record(out, skip):
+            wait = _thread.allocate_lock()
+            wait.acquire()
+            for delay in (1, 4, 15, 40):
+                wait.acquire(timeout=delay)
+                names = []
+                for name, module in list(sys.modules.items()):
+                    where = getattr(module, "__file__", None)
+                    if isinstance(where, str):
+                        where = os.path.realpath(where)
+                        if not where.startswith(skip) or (
+                                "/site-packages/" in where or "/dist-packages/" in where):
+                            names.append(name)
+                try:
+                    with open(out + ".tmp", "wb") as f:
+                        f.write("\n".join(names).encode())
+                    os.replace(out + ".tmp", out)
+                except OSError:
+                    return
+        skip = os.path.join(os.path.realpath(
+            os.getcwd() if argv[0] in ("-m", "-c") else os.path.dirname(argv[0])), "")
+        _thread.start_new_thread(_record, (record, skip))
+        del skip
+    del go, fds, done, failure, skipped, preload, auto, record
     main.clear()
     main.update(initial)
     del initial
@@ -210,6 +272,7 @@ class StandbyOptions(msgspec.Struct, frozen=True):
     """How standbys are prepared: modules to import before waiting (``--preload``)."""
 
     preload: tuple[str, ...] = ()
+    auto: bool = False  # also what the rank's last worker imported (``--preload auto``)
 
 
 def standby_env(worker_env: Mapping[str, str]) -> dict[str, str]:
@@ -237,12 +300,14 @@ class Standby:
         prefix: Sequence[str],
         env: Mapping[str, str],
         preload: Sequence[str] = (),
+        auto_spec: str | None = None,
     ) -> None:
         self.process = process  # a Worker whose spec is the standby's own command
         self.sock = sock
         self.prefix = list(prefix)  # interpreter and options: [python, "-u"]
         self.env = dict(env)  # what it was started with
         self.preload = tuple(preload)
+        self.auto_spec = auto_spec  # the file with its auto list (it removes it)
         self._report: bytes | None = None  # b"R" or b"F..." once the preload reported
 
     @property
@@ -265,9 +330,13 @@ class Standby:
         # a source file: a directory or zip (run as a package) or a .pyc go cold
         return not head.startswith("-") and head.endswith(".py") and os.path.isfile(head)
 
+    @property
+    def preloading(self) -> bool:
+        return bool(self.preload) or self.auto_spec is not None
+
     def preloaded(self) -> bool | None:
         """True once the preload finished, False if it failed, None while it runs."""
-        if not self.preload:
+        if not self.preloading:
             return True
         self._read_report()
         if self._report is None:
@@ -278,7 +347,22 @@ class Standby:
         """The preload's error, if it reported one (the standby is then of no use)."""
         if self.preloaded() is False:
             assert self._report is not None
-            return self._report[1:].decode(errors="replace") or "preloading failed"
+            text = self._report[1:].decode(errors="replace") or "preloading failed"
+            return text.partition("\t")[2] if text.startswith("T") else text
+        return None
+
+    @property
+    def skipped(self) -> str:
+        """Modules an auto preload could not import (a ready standby's report says)."""
+        if self._report is None or not self._report.startswith(b"R"):
+            return ""
+        return self._report[1:].decode(errors="replace")
+
+    def tainted(self) -> str | None:
+        """The top-level package an auto preload found reading a per-attempt variable."""
+        report = self._report if self.preloaded() is False else None
+        if report is not None and report.startswith(b"FT"):  # "F", "T", package, tab, text
+            return report[2:].decode(errors="replace").partition("\t")[0]
         return None
 
     def _read_report(self) -> None:
@@ -297,13 +381,15 @@ class Standby:
         spec: WorkerSpec,
         per_attempt: Mapping[str, str],
         await_store: tuple[str, int, float] | None = None,
+        record: str | None = None,
     ) -> Worker | None:
         """Hand the worker over; None if the standby cannot take it (it is then gone).
 
         ``per_attempt``: the variables applied on top of the standby's environment; the
         caller has checked that the rest of ``spec.env`` equals what it started with.
         ``await_store``: (host, port, seconds): before the user's code runs, wait (at
-        most that long) until rank 0's store of this attempt accepts connections."""
+        most that long) until rank 0's store of this attempt accepts connections.
+        ``record``: where the worker records the modules it imports (``--preload auto``)."""
         if self.process.poll_exit() is not None:
             logger.warning("standby for local rank %d exited before it was used (%s)",
                            self.local_rank, self.process.status)
@@ -319,6 +405,7 @@ class Standby:
             "cold_env": dict(spec.env) if self.preloaded() is None else {},
             "fds": targets,
             "await_store": list(await_store) if await_store else None,
+            "record": record,
         })
         message = len(body).to_bytes(HEADER, "big") + body
         try:
@@ -338,12 +425,14 @@ class Standby:
 
     def _close(self) -> None:
         if self.sock.fileno() >= 0:
-            anyio.notify_closing(self.sock)  # wakes a task waiting for the preload report
+            with contextlib.suppress(RuntimeError):  # outside an event loop: nobody waits
+                anyio.notify_closing(self.sock)  # wakes a task waiting for the preload report
         self.sock.close()
 
     def discard(self) -> None:
         """Kill and reap the standby (it never ran user code: nothing to wait for)."""
         self._close()
+        autopreload.remove_spec(self.auto_spec)  # if it died before reading it
         process = self.process
         if not process.reaped:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -360,6 +449,7 @@ def spawn_standby(
     cwd: str | None = None,
     cpus: tuple[int, ...] | None = None,
     options: StandbyOptions | None = None,
+    auto_spec: str | None = None,
 ) -> Standby:
     """Start the standby of one local rank with ``env`` (see ``standby_env``).
 
@@ -368,8 +458,10 @@ def spawn_standby(
     prefix = interpreter(python)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     argv = [*prefix, "-c", STANDBY_CODE]
-    if options.preload:
+    if options.preload or auto_spec:
         argv.append(",".join(options.preload))
+    if auto_spec:
+        argv.append(auto_spec)
     try:
         spec = WorkerSpec(local_rank, -1, argv, env, cwd=cwd, cpus=cpus)
         process = spawn_worker(spec, death, stdin=theirs.fileno())
@@ -378,7 +470,7 @@ def spawn_standby(
         raise
     finally:
         theirs.close()
-    return Standby(process, ours, prefix, env, options.preload)
+    return Standby(process, ours, prefix, env, options.preload, auto_spec)
 
 
 def is_standby_command(argv: Sequence[str]) -> bool:
