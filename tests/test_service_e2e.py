@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import site
 import socket
@@ -19,6 +18,7 @@ import aiohttp
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import deps
 from tests.conftest import FAKE_WORKER, REPO, Supervised, supervisor, wait_dead
 
 
@@ -183,19 +183,38 @@ def _as_nobody(setpriv: str, python: str, env: dict[str, str]) -> bool:
     return out.returncode == 0 and out.stdout.strip() == str(sys.version_info[:2])
 
 
+def _private_ancestor(paths: list[Path]) -> Path | None:
+    """The first directory on the way to one of ``paths`` that others cannot enter (a
+    clone inside a 0700 home directory): nobody cannot import or run anything below it."""
+    for path in paths:
+        for parent in reversed(path.resolve().parents):
+            if not parent.stat().st_mode & 0o001:
+                return parent
+        if path.is_dir() and not path.stat().st_mode & 0o001:
+            return path
+    return None
+
+
 async def test_unprivileged_service_user_restarts_and_stops_cleanly() -> None:
     """docs/deploy.md runs the unit as an unprivileged user. As ``nobody``: the supervisor,
     its workers and standbys run as that user, a failure restarts the group (warm), the
     health endpoint answers, SIGTERM stops it all and leaves no process behind."""
-    assert os.geteuid() == 0, "run the tests as root (CI does) to drop to nobody"
-    setpriv = shutil.which("setpriv")
-    assert setpriv, "util-linux setpriv is needed to drop to nobody"
+    if os.geteuid() != 0:
+        deps.missing("root, to drop to user nobody (run the tests as root, as .ci/run does)")
+    setpriv = deps.need_binary("setpriv", "apt-get install util-linux")
+    private = _private_ancestor([REPO, *map(Path, site.getsitepackages())])
+    if private is not None:
+        deps.missing(f"a checkout and venv that user nobody can reach: {private} is mode "
+                     f"{private.stat().st_mode & 0o777:04o}; clone into a directory others can "
+                     "enter (e.g. /opt or /srv) or chmod o+x the directories above the clone")
     # our dependencies and this checkout, for an interpreter nobody can run
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*site.getsitepackages(), str(REPO)])}
     minor = ".".join(map(str, sys.version_info[:2]))
     candidates = [sys.executable, os.path.realpath(sys.executable), f"/usr/bin/python{minor}"]
     python = next((p for p in candidates if _as_nobody(setpriv, p, env)), None)
-    assert python, f"no Python {minor} among {candidates} that nobody can run"
+    if python is None:
+        deps.missing(f"a Python {minor} that user nobody can run (tried {candidates}); "
+                     f"apt-get install python{minor}")
     launcher = [setpriv, f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
                 python, "-m", "supervisor", "run"]
     with tempfile.TemporaryDirectory(prefix="unprivileged-", dir="/tmp") as base:
