@@ -13,7 +13,7 @@ import re
 import signal
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -73,7 +73,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     log_format: Literal["auto", "text", "json"] = "auto"
     # health and watchdog
     health_host: str = "0.0.0.0"
-    health_port: int = 29480
+    health_port: int | None = None  # None: DEFAULT_HEALTH_PORT, or a free port if it is busy
     no_health: bool = False
     progress_timeout: float = 60.0
     timer_file: str | None = None
@@ -99,6 +99,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def backoff(self) -> tuple[float, float]:
         return _backoff(self.restart_backoff)
 
+
+DEFAULT_HEALTH_PORT: Final = 29480  # used when no flag, file or variable names a port
 
 FIELDS: frozenset[str] = frozenset(Settings.__struct_fields__)
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
@@ -230,7 +232,8 @@ def validate(s: Settings) -> None:
         (s.exit_barrier_timeout >= 0, "exit_barrier_timeout: must be >= 0"),
         (s.progress_timeout > 0, f"progress_timeout: must be > 0, got {s.progress_timeout}"),
         (s.hang_state_timeout > 0, "hang_state_timeout: must be > 0"),
-        (0 <= s.health_port <= 65535, f"health_port: must be 0..65535, got {s.health_port}"),
+        (s.health_port is None or 0 <= s.health_port <= 65535,
+         f"health_port: must be 0..65535, got {s.health_port}"),
         (s.master_port is None or 0 <= s.master_port <= 65535,
          f"master_port: must be 0..65535, got {s.master_port}"),
         (s.restart_budget_window is None or s.restart_budget_window > 0,
