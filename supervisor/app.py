@@ -26,7 +26,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
-from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, Settings
+from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, Settings, advisories
 from supervisor.controller import (
     Attempt,
     CommandFor,
@@ -169,6 +169,8 @@ async def supervise(
     host's other children are not ours to sweep) and does not talk to systemd.
     ``command`` and ``cpus`` override how each rank's command line and CPU binding are made.
     """
+    for level, note in advisories(settings):
+        logger.log(level, "%s", note)
     if command is None:
         check_runnable(settings, environ)
     check_devices(settings, environ)

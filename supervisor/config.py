@@ -8,6 +8,7 @@ Keys are the snake_case of the long CLI flags. Everything below this module rece
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
@@ -260,6 +261,35 @@ def validate(s: Settings) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+
+
+def advisories(s: Settings) -> list[tuple[int, str]]:
+    """(logging level, line) for valid settings that have no effect with the chosen
+    backend (WARNING), or an effect a user may not expect (INFO); each names the setting."""
+    notes: list[tuple[int, str]] = []
+    if s.rdzv_backend == "static":
+        if s.rdzv_endpoint:
+            notes.append((logging.WARNING,
+                          f"rdzv_endpoint: ignored by the static backend ({s.rdzv_endpoint!r}); "
+                          "it uses master_addr/master_port; for a rendezvous server use "
+                          "--rdzv-backend etcd"))
+        if s.rdzv_conf:
+            notes.append((logging.WARNING,
+                          f"rdzv_conf: ignored by the static backend ({s.rdzv_conf!r})"))
+        if s.max_nodes > 1:
+            notes.append((
+                logging.INFO,
+                f"nnodes: the static backend does not coordinate nodes: this node "
+                f"(node_rank {s.node_rank} of {s.max_nodes}) starts its workers at once and "
+                "nothing checks that the other nodes take part (their workers meet in the "
+                f"store at master_addr {s.master_addr}); --rdzv-backend etcd makes nodes "
+                "join, restart and fail together",
+            ))
+    elif s.rdzv_backend == "etcd" and s.node_rank != 0:
+        notes.append((logging.WARNING,
+                      f"node_rank: ignored by the etcd backend ({s.node_rank}); "
+                      "node ranks are assigned at each rendezvous round"))
+    return notes
 
 
 def to_toml_dict(settings: Settings) -> dict[str, Any]:

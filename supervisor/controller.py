@@ -640,7 +640,10 @@ class Controller:
     def _summarise(self) -> None:
         s = self.state
         if s.phase is sm.Phase.SUCCEEDED:
-            logger.info("job succeeded after %d restart(s)", s.restart_count)
+            unchecked = self.rendezvous.backend == "static" and self.settings.max_nodes > 1
+            logger.info("job succeeded after %d restart(s)%s", s.restart_count,
+                        " on this node (static backend: the other nodes were not checked)"
+                        if unchecked else "")
             return
         if s.phase is sm.Phase.STOPPED:
             # asked to stop (SIGTERM, systemctl stop): a clean end, not an error to alert on
