@@ -52,9 +52,10 @@ def need_module(name: str, how: str | None = None) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ImportError as exc:
-        top = name.partition(".")[0]
-        hint = how or MODULES.get(top, (top, f"pip install {top}"))[1]
-        missing(f"cannot import {name} ({exc}); {hint}")
+        error = str(exc)
+    top = name.partition(".")[0]
+    hint = how or MODULES.get(top, (top, f"pip install {top}"))[1]
+    missing(f"cannot import {name} ({error}); {hint}")  # outside `except`: no chained report
 
 
 def need_binary(name: str, how: str | None = None) -> str:

@@ -54,7 +54,7 @@ async def test_readyz_follows_the_run_through_a_restart(tmp_path: Path) -> None:
         assert status == 200, body
         status, doc = await get(url + "/status")
         assert doc["restarts"] == {"used": 1, "max": 1, "left": 0}
-        assert doc["state"] == "running" and doc["attempt"] == 2
+        assert doc["state"] == "running" and doc["attempt"] == 1  # attempt_1: the second
         failure = doc["last_failure"]
         assert isinstance(failure, dict) and failure["exit_code"] == 3
         async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as resp:
@@ -102,7 +102,7 @@ async def test_sd_notify_ready_status_watchdog_stopping(tmp_path: Path) -> None:
                     pid, message = await _receive(sock)
                     assert pid == sup.pid  # only the supervisor itself talks to systemd
                     seen.append(message)
-            assert "running attempt 1" in "".join(seen)
+            assert "running attempt 0" in "".join(seen)  # attempt_0, the first
             assert any(m.startswith("WATCHDOG=1") for m in seen)
             # pings keep coming at about WATCHDOG_USEC/2
             pings = 0
