@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -20,7 +21,8 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, advisories, build
+from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, advisories, build, load_file
+from tests import deps
 from tests.conftest import FAKE_WORKER, REPO, Supervised, supervisor
 from tests.test_service_e2e import _notify_socket, _receive
 
@@ -359,3 +361,24 @@ def test_missing_dependencies_skip_or_fail_under_require_deps(tmp_path: Path) ->
     # the markers' checks fail in setup (errors), the bare importorskip in the call
     assert "1 failed, 1 passed, 2 errors" in strict, strict
     assert "During handling" not in strict
+
+
+@pytest.mark.prometheus
+def test_the_prometheus_example_is_valid_and_scrapes_the_configured_port() -> None:
+    promtool = deps.need_binary("promtool", "apt-get install prometheus (.ci/run does)")
+    example = REPO / "config" / "prometheus.yml"
+    checked = subprocess.run([promtool, "check", "config", str(example)], capture_output=True,
+                             text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    ports = set(re.findall(r'"[^"]+:(\d+)"', example.read_text()))
+    configured = {str(load_file(p)["health_port"]) for p in (REPO / "config").glob("*.toml")}
+    assert ports == configured == {str(DEFAULT_HEALTH_PORT)}
+
+
+def test_the_status_command_is_one_line_when_nothing_answers() -> None:
+    with listening() as port:
+        pass  # a port nothing listens on any more
+    result = cli("status", "--url", f"http://127.0.0.1:{port}")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1
+    assert "is a supervisor running here?" not in result.stderr  # only for the default URL
+    assert result.stderr.startswith(f"elastic-supervisor status: cannot reach http://127.0.0.1:{port}")
