@@ -141,6 +141,30 @@ def check_runnable(settings: Settings, environ: Mapping[str, str]) -> None:
         raise ConfigError(f"training_script: no such file: {settings.training_script!r}")
 
 
+def check_master_addr(settings: Settings) -> None:
+    """The static backend hands ``master_addr`` to every worker as MASTER_ADDR: a name that
+    does not resolve here is a start-up error; on one node, where the rank-0 worker hosts
+    the store, an address of another machine is almost surely a mistake (a warning)."""
+    if settings.rdzv_backend != "static":
+        return
+    addr = settings.master_addr
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise ConfigError(f"master_addr: cannot resolve {addr!r}: {reason}") from None
+    if settings.max_nodes > 1:
+        return
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((sockaddr[0], 0))
+        except OSError:
+            logger.warning("master_addr: %s is not an address of this machine; on one node "
+                           "the rank-0 worker hosts the store here, so workers may not reach "
+                           "it (the default is 127.0.0.1)", addr)
+
+
 def check_devices(settings: Settings, environ: Mapping[str, str]) -> None:
     """Virtual local rank hands each worker one entry of CUDA_VISIBLE_DEVICES: enough?"""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
@@ -174,6 +198,7 @@ async def supervise(
     if command is None:
         check_runnable(settings, environ)
     check_devices(settings, environ)
+    check_master_addr(settings)
     if cpus is None:
         cpus = cpus_for(settings)
     try:

@@ -98,6 +98,11 @@ def test_an_unusable_health_host_is_one_line(host: str, fragments: tuple[str, ..
     one_line_error(cli("run", "--health-host", host, "--health-port", "0", HELLO), *fragments)
 
 
+def test_an_unknown_master_addr_is_one_line() -> None:
+    result = cli("run", "--health-port", "0", "--master-addr", "no-such-host.invalid", HELLO)
+    one_line_error(result, "master_addr: cannot resolve 'no-such-host.invalid'")
+
+
 @pytest.mark.parametrize(
     ("flag", "setting"),
     [("--log-dir", "log_dir"), ("--event-log", "event_log"), ("--timer-file", "timer_file")],
