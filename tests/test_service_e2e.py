@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import aiohttp
@@ -196,11 +197,13 @@ def _private_ancestor(paths: list[Path]) -> Path | None:
 
 
 def _runtime_distributions() -> list[importlib.metadata.Distribution]:
-    """elastic-supervisor's installed distribution and everything it requires at run time."""
+    """The installed distributions of pyproject.toml's dependencies, recursively."""
+    with open(REPO / "pyproject.toml", "rb") as f:
+        todo = list(tomllib.load(f)["project"]["dependencies"])
     seen: set[str] = set()
-    todo, found = ["elastic-supervisor"], []
+    found = []
     while todo:
-        name = todo.pop()
+        name = re.match(r"[A-Za-z0-9_.-]+", todo.pop()).group(0)  # type: ignore[union-attr]
         key = re.sub(r"[-_.]+", "-", name).lower()
         if key in seen:
             continue
@@ -212,7 +215,7 @@ def _runtime_distributions() -> list[importlib.metadata.Distribution]:
         found.append(dist)
         for req in dist.requires or []:
             if "extra ==" not in req.partition(";")[2]:
-                todo.append(re.match(r"[A-Za-z0-9_.-]+", req).group(0))  # type: ignore[union-attr]
+                todo.append(req)
     return found
 
 
