@@ -1,8 +1,10 @@
 """The composition root: one task group, every long-lived task started with ``tg.start``.
 
-Order matters and is visible here: signal handlers first (before any worker exists), then
-the health endpoint (port bound) and the watchdog (FIFO open), then the controller, which
-launches the first group; systemd hears READY=1 only after that.
+Order matters and is visible here: first the start-up checks of everything the outside
+world can refuse (one line and exit 2 each; the health port is bound among them), then
+signal handlers (before any worker exists), the watchdog (FIFO open) and the health
+endpoint, then the controller, which launches the first group; systemd hears READY=1 only
+after that.
 """
 
 from __future__ import annotations
