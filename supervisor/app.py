@@ -212,30 +212,36 @@ async def supervise(
     event_log = Path(settings.event_log or log_root / run_id / "events.jsonl")
     check_event_log(event_log, "event_log" if settings.event_log else "log_dir")
     hang_dump = resolve_hang_dump(settings, environ)
-    # bound before anything joins a rendezvous: a busy or unusable port ends the start
-    # here, with one line, instead of after this node was counted in by the others
-    sock = None if settings.no_health else open_health_socket(settings)
-    events = EventLog(event_log, run_id)
     rendezvous = make_rendezvous(settings, run_id)
     settings = conf_barrier_timeout(settings)
+    runtime = RuntimeDir.create(environ)
+    timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
+    sock: socket.socket | None = None
     try:
-        await rendezvous.connect()
-    except RendezvousError as exc:
+        if timer_file is not None:
+            try:
+                check_fifo_path(timer_file)
+            except FifoError as exc:
+                raise ConfigError(f"timer_file: {exc}") from None
+        # bound before anything joins a rendezvous: a busy or unusable port ends the start
+        # here, with one line, instead of after this node was counted in by the others
+        sock = None if settings.no_health else open_health_socket(settings)
+        try:
+            await rendezvous.connect()
+        except RendezvousError as exc:
+            raise ConfigError(f"rdzv_endpoint: {exc}") from None
+    except BaseException:
         with anyio.CancelScope(shield=True):
             await rendezvous.aclose()  # its HTTP session, or asyncio logs "Unclosed client session"
-        raise ConfigError(f"rdzv_endpoint: {exc}") from None
+        if sock is not None:
+            sock.close()  # the Python API's caller lives on: leak nothing
+        runtime.cleanup()
+        raise
+    events = EventLog(event_log, run_id)
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
     reporter = StatusReporter(notifier)
     lag = LoopLag()
     progress = ProgressTable()
-    runtime = RuntimeDir.create(environ)
-    timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
-    if timer_file is not None:
-        try:
-            check_fifo_path(timer_file)
-        except FifoError as exc:
-            runtime.cleanup()
-            raise ConfigError(f"timer_file: {exc}") from None
     if not embedded:
         set_child_subreaper()
     cookie = uuid.uuid4().hex
