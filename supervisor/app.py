@@ -195,8 +195,6 @@ async def supervise(
     host's other children are not ours to sweep) and does not talk to systemd.
     ``command`` and ``cpus`` override how each rank's command line and CPU binding are made.
     """
-    for level, note in advisories(settings):
-        logger.log(level, "%s", note)
     if command is None:
         check_runnable(settings, environ)
     check_devices(settings, environ)
@@ -257,6 +255,8 @@ async def supervise(
         stop_guard=lambda: extending_timeout(notifier),
     )
     check_death_signal(controller.death)
+    for level, note in advisories(settings):  # after the checks: a failed start is one line
+        logger.log(level, "%s", note)
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
                 local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
     logger.info("run %s: logs under %s", run_id, log_root / run_id)
@@ -570,7 +570,10 @@ def resolve_hang_dump(settings: Settings, environ: Mapping[str, str]) -> HangDum
     """``--hang-dump py-spy`` needs py-spy, on PATH or next to our interpreter (a venv's
     bin/, which a systemd unit's PATH lacks). There is no fallback: asked for and missing
     is a start-up error, not a surprise at the first hang."""
-    spec = HangDump.parse(settings.hang_dump)
+    try:
+        spec = HangDump.parse(settings.hang_dump)
+    except ValueError as exc:  # e.g. signal:SIGKILL, which leaves nothing to dump
+        raise ConfigError(f"hang_dump: {exc}") from None
     if spec.mode != "py-spy" or settings.no_watchdog:
         return spec
     found = shutil.which(spec.py_spy, path=environ.get("PATH")) or shutil.which(

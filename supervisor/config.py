@@ -219,7 +219,9 @@ def build(*layers: Mapping[str, Any]) -> Settings:
 def _validation_message(text: str) -> str:
     m = re.search(r"^(.*?) - at `\$\.([A-Za-z_]+)(.*)`$", text)
     if m:
-        return f"{m.group(2)}{m.group(3)}: {m.group(1).replace('`', '')}"
+        # "Expected int | null": null is the unset default, never something to type in
+        what = m.group(1).replace("`", "").replace(" | null", "")
+        return f"{m.group(2)}{m.group(3)}: {what}"
     return text
 
 

@@ -132,10 +132,17 @@ def test_a_log_dir_that_is_not_writable_is_one_line(tmp_path: Path) -> None:
     ("args", "fragment"),
     [(["/nonexistent/train.py"], "training_script: no such file"),
      (["--no-python", "no-such-command-xyz"], "training_script: command not found"),
-     (["--config", "/nonexistent.toml", HELLO], "config file not found")],
+     (["--config", "/nonexistent.toml", HELLO], "config file not found"),
+     (["--hang-dump", "signal:SIGKILL", HELLO], "hang_dump: signal 'SIGKILL' cannot trigger"),
+     (["--nnodes", "2", "--master-addr", "", HELLO], "master_addr: cannot resolve ''")],
 )
 def test_a_missing_script_command_or_file_is_one_line(args: list[str], fragment: str) -> None:
     one_line_error(cli("run", "--health-port", "0", *args), fragment)
+
+
+def test_a_port_variable_that_is_not_a_number_is_one_line() -> None:
+    result = cli("run", HELLO, env={"TORCHELASTIC_HEALTH_CHECK_PORT": "abc"})
+    assert one_line_error(result).endswith("health_port: Expected int, got str")
 
 
 def test_py_spy_asked_for_and_missing_is_a_start_up_error(
@@ -387,3 +394,24 @@ def test_the_status_command_is_one_line_when_nothing_answers() -> None:
     assert result.returncode == 1 and len(result.stderr.splitlines()) == 1
     assert "is a supervisor running here?" not in result.stderr  # only for the default URL
     assert result.stderr.startswith(f"elastic-supervisor status: cannot reach http://127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("setpriv", ["missing", "old"])
+def test_a_missing_or_old_setpriv_falls_back_and_says_so(tmp_path: Path, setpriv: str) -> None:
+    """util-linux before 2.33 has a setpriv without --pdeathsig; a minimal image has none.
+    Either way workers get their death signal from the Python shim, and the log says so."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if setpriv == "old":
+        fake = bin_dir / "setpriv"  # answers --help like util-linux 2.32, fails otherwise
+        fake.write_text("#!/bin/sh\n[ \"$1\" = --help ] && echo ' --reuid <uid>' && exit 0\n"
+                        "exit 1\n")
+        fake.chmod(0o755)
+    result = cli("run", "--health-port", "0", "--log-dir", str(tmp_path / "logs"),
+                 "--nproc-per-node", "2", HELLO, env={"PATH": str(bin_dir)})
+    assert result.returncode == 0, result.stderr
+    expected = ("setpriv not found" if setpriv == "missing"
+                else f"{bin_dir / 'setpriv'} has no --pdeathsig")
+    assert f"{expected}" in result.stderr
+    assert "workers get their death signal from a Python shim" in result.stderr
+    assert result.stdout.count("hello from rank") == 2
