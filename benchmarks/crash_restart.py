@@ -107,7 +107,7 @@ def _phases(j: Job, restarts: int) -> dict[str, list[float]]:
             started[attempt] = ev["mono"]
     out: dict[str, list[float]] = {name: [] for name in PHASES}
     for r in range(restarts):
-        a = r + 1  # the supervisor numbers attempts from 1; restart count r runs attempt r+1
+        a = r  # attempt K is attempt_K: in a fresh log directory, restart count r runs attempt r
         if a not in exited or a not in stopped or a + 1 not in started:
             continue
         crash, up = j.crash_time(r), min(j.up_times(r + 1))

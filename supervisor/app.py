@@ -1,12 +1,15 @@
 """The composition root: one task group, every long-lived task started with ``tg.start``.
 
-Order matters and is visible here: signal handlers first (before any worker exists), then
-the health endpoint (port bound) and the watchdog (FIFO open), then the controller, which
-launches the first group; systemd hears READY=1 only after that.
+Order matters and is visible here: first the start-up checks of everything the outside
+world can refuse (one line and exit 2 each; the health port is bound among them), then
+signal handlers (before any worker exists), the watchdog (FIFO open) and the health
+endpoint, then the controller, which launches the first group; systemd hears READY=1 only
+after that.
 """
 
 from __future__ import annotations
 
+import errno
 import faulthandler
 import functools
 import logging
@@ -14,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -24,7 +28,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
-from supervisor.config import ConfigError, Settings
+from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, Settings, advisories
 from supervisor.controller import (
     Attempt,
     CommandFor,
@@ -57,6 +61,7 @@ from supervisor.watchdog.fifo import FifoError, check_fifo_path
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
 from supervisor.workers.output import OutputPlan, OutputSpecError
+from supervisor.workers.spawn import DeathSignal
 from supervisor.workers.topology import cpus_for
 
 logger = logging.getLogger(__name__)
@@ -73,8 +78,23 @@ def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None)
     try:
         return anyio.run(supervise, settings, env)
     except ConfigError as exc:
-        print(f"elastic-supervisor: config error: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(exc)
+    except BaseExceptionGroup as group:
+        # a start-up error raised inside the task group arrives wrapped: one line, still
+        matched, rest = group.split(ConfigError)
+        if matched is None or rest is not None:
+            raise
+        return _config_error(_first_leaf(matched))
+
+
+def _config_error(exc: BaseException) -> int:
+    print(f"elastic-supervisor: config error: {exc}", file=sys.stderr)
+    return 2
+
+
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
 def resolve_run_id(settings: Settings) -> str:
@@ -123,6 +143,30 @@ def check_runnable(settings: Settings, environ: Mapping[str, str]) -> None:
         raise ConfigError(f"training_script: no such file: {settings.training_script!r}")
 
 
+def check_master_addr(settings: Settings) -> None:
+    """The static backend hands ``master_addr`` to every worker as MASTER_ADDR: a name that
+    does not resolve here is a start-up error; on one node, where the rank-0 worker hosts
+    the store, an address of another machine is almost surely a mistake (a warning)."""
+    if settings.rdzv_backend != "static":
+        return
+    addr = settings.master_addr
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise ConfigError(f"master_addr: cannot resolve {addr!r}: {reason}") from None
+    if settings.max_nodes > 1:
+        return
+    family, _, _, _, sockaddr = infos[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((sockaddr[0], 0))
+        except OSError:
+            logger.warning("master_addr: %s is not an address of this machine; on one node "
+                           "the rank-0 worker hosts the store here, so workers may not reach "
+                           "it (the default is 127.0.0.1)", addr)
+
+
 def check_devices(settings: Settings, environ: Mapping[str, str]) -> None:
     """Virtual local rank hands each worker one entry of CUDA_VISIBLE_DEVICES: enough?"""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
@@ -154,6 +198,7 @@ async def supervise(
     if command is None:
         check_runnable(settings, environ)
     check_devices(settings, environ)
+    check_master_addr(settings)
     if cpus is None:
         cpus = cpus_for(settings)
     try:
@@ -162,27 +207,39 @@ async def supervise(
         raise ConfigError(str(exc)) from None
     run_id = resolve_run_id(settings)
     log_root = _log_root(settings)
-    events = EventLog(settings.event_log or log_root / run_id / "events.jsonl", run_id)
+    event_log = Path(settings.event_log or log_root / run_id / "events.jsonl")
+    check_event_log(event_log, "event_log" if settings.event_log else "log_dir")
+    hang_dump = resolve_hang_dump(settings, environ)
     rendezvous = make_rendezvous(settings, run_id)
     settings = conf_barrier_timeout(settings)
+    runtime = RuntimeDir.create(environ)
+    timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
+    sock: socket.socket | None = None
     try:
-        await rendezvous.connect()
-    except RendezvousError as exc:
+        if timer_file is not None:
+            try:
+                check_fifo_path(timer_file)
+            except FifoError as exc:
+                raise ConfigError(f"timer_file: {exc}") from None
+        # bound before anything joins a rendezvous: a busy or unusable port ends the start
+        # here, with one line, instead of after this node was counted in by the others
+        sock = None if settings.no_health else open_health_socket(settings)
+        try:
+            await rendezvous.connect()
+        except RendezvousError as exc:
+            raise ConfigError(f"rdzv_endpoint: {exc}") from None
+    except BaseException:
         with anyio.CancelScope(shield=True):
             await rendezvous.aclose()  # its HTTP session, or asyncio logs "Unclosed client session"
-        raise ConfigError(f"rdzv_endpoint: {exc}") from None
+        if sock is not None:
+            sock.close()  # the Python API's caller lives on: leak nothing
+        runtime.cleanup()
+        raise
+    events = EventLog(event_log, run_id)
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
     reporter = StatusReporter(notifier)
     lag = LoopLag()
     progress = ProgressTable()
-    runtime = RuntimeDir.create(environ)
-    timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
-    if timer_file is not None:
-        try:
-            check_fifo_path(timer_file)
-        except FifoError as exc:
-            runtime.cleanup()
-            raise ConfigError(f"timer_file: {exc}") from None
     if not embedded:
         set_child_subreaper()
     cookie = uuid.uuid4().hex
@@ -197,6 +254,9 @@ async def supervise(
         progress=progress, observers=observers,
         stop_guard=lambda: extending_timeout(notifier),
     )
+    check_death_signal(controller.group.death)
+    for level, note in advisories(settings):  # after the checks: a failed start is one line
+        logger.log(level, "%s", note)
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
                 local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
     logger.info("run %s: logs under %s", run_id, log_root / run_id)
@@ -213,10 +273,12 @@ async def supervise(
             await tg.start(lag.run)
             watchdog = None
             if timer_file is not None:
-                watchdog = await start_watchdog(tg, settings, controller, timer_file, send)
-            if not settings.no_health:
-                sock = bind_health_socket(settings.health_host, settings.health_port)
+                watchdog = await start_watchdog(
+                    tg, settings, controller, timer_file, send, hang_dump
+                )
+            if sock is not None:
                 port = sock.getsockname()[1]
+                controller.health_port = port  # in the STATUS line and /status
                 logger.info("health endpoint on http://%s:%d", settings.health_host, port)
                 events.emit("health_listening", host=settings.health_host, port=port)
                 tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog)
@@ -226,6 +288,8 @@ async def supervise(
             await _close_rendezvous(rendezvous, controller.state)
             tg.cancel_scope.cancel()
     finally:
+        if sock is not None:
+            sock.close()  # served or not: a start that failed later must not leak it
         send.close()  # an embedded run must leave no unclosed streams (ResourceWarning)
         receive.close()
         with anyio.CancelScope(shield=True):
@@ -257,8 +321,32 @@ def _timer_file(settings: Settings, runtime_dir: Path) -> Path:
     return runtime_dir / "watchdog" / "timer.fifo"
 
 
+def open_health_socket(settings: Settings) -> socket.socket:
+    """The health endpoint's listening socket. A port that came from no flag, file or
+    variable (the built-in default) moves to a free one when busy, with a warning: two
+    jobs with default settings on one workstation both start. A chosen port never moves."""
+    host, port = settings.health_host, settings.health_port
+    if port is not None:
+        return bind_health_socket(host, port)
+    try:
+        return bind_health_socket(host, DEFAULT_HEALTH_PORT)
+    except PortBusy:
+        sock = bind_health_socket(host, 0)
+        logger.warning(
+            "health_port: the default port %d is busy (another supervisor?); listening on "
+            "free port %d instead (set --health-port to choose one)",
+            DEFAULT_HEALTH_PORT, sock.getsockname()[1],
+        )
+        return sock
+
+
+class PortBusy(ConfigError):
+    """The port is in use by another socket."""
+
+
 def bind_health_socket(host: str, port: int) -> socket.socket:
-    """Bind and listen now (port 0 picks one): probes queue in the backlog until served."""
+    """Bind and listen now (port 0 picks one): probes queue in the backlog until served.
+    Every failure is a one-line ConfigError naming the setting at fault."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -267,10 +355,24 @@ def bind_health_socket(host: str, port: int) -> socket.socket:
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        message = f"health_port: cannot listen on {host}:{port}: {exc.strerror}"
-        raise ConfigError(message) from None
+        raise _bind_error(host, port, exc) from None
     sock.setblocking(False)
     return sock
+
+
+def _bind_error(host: str, port: int, exc: OSError) -> ConfigError:
+    where = f"{host}:{port}"
+    if isinstance(exc, socket.gaierror):
+        return ConfigError(f"health_host: cannot resolve {host!r}: {exc.strerror}")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return ConfigError(f"health_host: {host} is not an address of this machine ({where})")
+    if exc.errno == errno.EADDRINUSE:
+        return PortBusy(f"health_port: cannot listen on {where}: port already in use "
+                        "(another supervisor? choose another --health-port, or 0 for any)")
+    if exc.errno == errno.EACCES:
+        return ConfigError(f"health_port: cannot listen on {where}: permission denied "
+                           "(ports below 1024 need root or CAP_NET_BIND_SERVICE)")
+    return ConfigError(f"health_port: cannot listen on {where}: {exc.strerror or exc}")
 
 
 SERVE_DEFER = 0.5  # seconds the health server may wait for the first launch before serving
@@ -309,6 +411,7 @@ async def start_watchdog(
     controller: Controller,
     timer_file: Path,
     outbox: Outbox,
+    hang_dump: HangDump | None = None,
 ) -> Watchdog:
     """Open the deadline FIFO and start the D-state check; both report into the inbox."""
 
@@ -318,7 +421,7 @@ async def start_watchdog(
 
     config = WatchdogConfig(
         kill_grace=min(5.0, max(0.5, settings.shutdown_timeout)),
-        hang_dump=HangDump.parse(settings.hang_dump),
+        hang_dump=hang_dump or HangDump.parse(settings.hang_dump),
         dump_path=dump_path,
     )
     watchdog = Watchdog(
@@ -434,12 +537,78 @@ async def deliver_signals(outbox: Outbox, *, task_status: TaskStatus[None]) -> N
 
 
 def _log_root(settings: Settings) -> Path:
+    """The log directory, created and writable, or a one-line ConfigError."""
     if settings.log_dir:
         root = Path(settings.log_dir)
-        root.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"log_dir: cannot create {root}: {_reason(exc)}") from None
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise ConfigError(f"log_dir: {root} is not writable by this user")
         return root
     # like torchrun: a fresh directory that outlives the run, so error files stay readable
-    return Path(tempfile.mkdtemp(prefix="elastic-supervisor-"))
+    try:
+        return Path(tempfile.mkdtemp(prefix="elastic-supervisor-"))
+    except OSError as exc:
+        message = f"log_dir: cannot create a directory in {tempfile.gettempdir()}: {_reason(exc)}"
+        raise ConfigError(message + " (set --log-dir or TMPDIR)") from None
+
+
+def check_event_log(path: Path, setting: str) -> None:
+    """Open the event log for append once, now: an unusable path stops the start with one
+    line (later write errors are logged and the job goes on)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    except OSError as exc:
+        raise ConfigError(f"{setting}: cannot open the event log {path}: {_reason(exc)}") from None
+    os.close(fd)
+
+
+def resolve_hang_dump(settings: Settings, environ: Mapping[str, str]) -> HangDump:
+    """``--hang-dump py-spy`` needs py-spy, on PATH or next to our interpreter (a venv's
+    bin/, which a systemd unit's PATH lacks). There is no fallback: asked for and missing
+    is a start-up error, not a surprise at the first hang."""
+    try:
+        spec = HangDump.parse(settings.hang_dump)
+    except ValueError as exc:  # e.g. signal:SIGKILL, which leaves nothing to dump
+        raise ConfigError(f"hang_dump: {exc}") from None
+    if spec.mode != "py-spy" or settings.no_watchdog:
+        return spec
+    found = shutil.which(spec.py_spy, path=environ.get("PATH")) or shutil.which(
+        spec.py_spy, path=os.path.dirname(sys.executable)
+    )
+    if found is None:
+        raise ConfigError(
+            "hang_dump: py-spy is not installed (pip install 'elastic-supervisor[hang-dump]'),"
+            " or use --hang-dump signal:SIGUSR1 or none"
+        )
+    return msgspec.structs.replace(spec, py_spy=found)
+
+
+def check_death_signal(death: DeathSignal) -> None:
+    """Workers die with us through ``setpriv --pdeathsig``; util-linux before 2.33 has no
+    such option and a minimal image may have no setpriv at all. Either way the fallback,
+    a Python shim that calls prctl itself, takes over, and the start-up log says so."""
+    if death.setpriv is None:
+        logger.info("setpriv not found: workers get their death signal from a Python shim")
+        return
+    try:
+        probe = subprocess.run(
+            [death.setpriv, "--help"], capture_output=True, text=True, timeout=5, check=False
+        )
+        usable = "--pdeathsig" in probe.stdout
+    except (OSError, subprocess.SubprocessError):
+        usable = False
+    if not usable:
+        logger.info("%s has no --pdeathsig (util-linux < 2.33): workers get their death "
+                    "signal from a Python shim", death.setpriv)
+        death.setpriv = None
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
 
 
 def _initial_snapshot(settings: Settings, run_id: str) -> Snapshot:

@@ -38,6 +38,7 @@ def _flag(parser: argparse.ArgumentParser, name: str, *extra: str, **kw: Any) ->
 def _run_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="elastic-supervisor run",
+        usage="%(prog)s [FLAGS] [--] SCRIPT [ARGS...]",
         allow_abbrev=False,  # a script's own flags must never be taken as abbreviations of ours
         description="Run a worker group under supervision (torchrun-compatible flags).",
     )
@@ -132,8 +133,12 @@ def parse_run_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
 
 
 def _check_config(argv: Sequence[str]) -> int:
-    p = _Parser(prog="elastic-supervisor check-config")
-    p.add_argument("file")
+    p = _Parser(
+        prog="elastic-supervisor check-config",
+        description="Validate a TOML config file (with PET_* variables applied, as `run` "
+        "would) and print the resolved settings as JSON. Exit 0 valid, 2 invalid.",
+    )
+    p.add_argument("file", help="the TOML file (keys are the snake_case of run's flags)")
     ns = p.parse_args(list(argv))
     settings = build(load_file(ns.file), from_environ(os.environ))
     try:
@@ -144,15 +149,63 @@ def _check_config(argv: Sequence[str]) -> int:
     return 0
 
 
+COMMANDS = {
+    "run": "run a worker group under supervision, with torchrun's flags "
+           "(also what flags without a command mean)",
+    "check-config": "validate a TOML config file and print the resolved settings",
+    "status": "show a running supervisor's state, read from its health endpoint",
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="elastic-supervisor",
+        description="Supervise a gang-scheduled worker group (a drop-in for torchrun's "
+        "agent). `elastic-supervisor COMMAND --help` describes each command.",
+        epilog="examples:\n"
+        "  elastic-supervisor run --nproc-per-node 2 examples/hello.py\n"
+        "  elastic-supervisor check-config /etc/elastic-supervisor/config.toml\n"
+        "  elastic-supervisor status --url http://127.0.0.1:29480",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"elastic-supervisor {__version__}")
+    commands = p.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    for name, text in COMMANDS.items():
+        # listed with their descriptions; each command parses its own arguments
+        commands.add_parser(name, help=text, add_help=False)
+    return p
+
+
+EXIT_SIGPIPE = 128 + 13  # what a shell reports for a tool whose reader went away
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``elastic-supervisor`` command and ``python -m supervisor``."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    top = _Parser(prog="elastic-supervisor", description="Supervise gang-scheduled workers.")
-    top.add_argument("--version", action="version", version=f"elastic-supervisor {__version__}")
-    top.add_argument("command", choices=["run", "check-config", "status"])
-    if not args or (args[0].startswith("-") and args[0] not in ("-h", "--help", "--version")):
+    try:
+        code = _main(list(sys.argv[1:] if argv is None else argv))
+        sys.stdout.flush()  # here, where a closed pipe can still be handled
+        return code
+    except BrokenPipeError:
+        # `check-config FILE | head -1`: the reader has what it wanted; no traceback, and
+        # no second complaint when Python flushes stdout at exit
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_SIGPIPE
+    except KeyboardInterrupt:
+        return 128 + 2
+
+
+def _main(args: list[str]) -> int:
+    top = _top_parser()
+    if not args:
+        top.print_usage(sys.stderr)
+        commands = ", ".join(COMMANDS)
+        sys.stderr.write(f"{top.prog}: error: give a command ({commands}); --help says more\n")
+        return EXIT_USAGE
+    if args[0].startswith("-") and args[0] not in ("-h", "--help", "--version"):
         args = ["run", *args]  # torchrun style: flags straight away mean "run"
-    ns, rest = top.parse_known_args(args[:1])
+    ns, _ = top.parse_known_args(args[:1])
     rest = args[1:]
     try:
         if ns.command == "check-config":
@@ -161,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from supervisor.statuscmd import main_status
 
             return main_status(rest)
+        if not rest and "PET_TRAINING_SCRIPT" not in os.environ:
+            _run_parser().print_usage(sys.stderr)
+            sys.stderr.write("elastic-supervisor run: error: give a script or command to run "
+                             "(--help lists the flags)\n")
+            return EXIT_USAGE
         settings = parse_run_args(rest, os.environ)
     except ConfigError as exc:
         print(f"elastic-supervisor: config error: {exc}", file=sys.stderr)

@@ -8,12 +8,13 @@ Keys are the snake_case of the long CLI flags. Everything below this module rece
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -73,7 +74,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     log_format: Literal["auto", "text", "json"] = "auto"
     # health and watchdog
     health_host: str = "0.0.0.0"
-    health_port: int = 29480
+    health_port: int | None = None  # None: DEFAULT_HEALTH_PORT, or a free port if it is busy
     no_health: bool = False
     progress_timeout: float = 60.0
     timer_file: str | None = None
@@ -101,6 +102,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def backoff(self) -> tuple[float, float]:
         return _backoff(self.restart_backoff)
 
+
+DEFAULT_HEALTH_PORT: Final = 29480  # used when no flag, file or variable names a port
 
 FIELDS: frozenset[str] = frozenset(Settings.__struct_fields__)
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
@@ -218,7 +221,9 @@ def build(*layers: Mapping[str, Any]) -> Settings:
 def _validation_message(text: str) -> str:
     m = re.search(r"^(.*?) - at `\$\.([A-Za-z_]+)(.*)`$", text)
     if m:
-        return f"{m.group(2)}{m.group(3)}: {m.group(1).replace('`', '')}"
+        # "Expected int | null": null is the unset default, never something to type in
+        what = m.group(1).replace("`", "").replace(" | null", "")
+        return f"{m.group(2)}{m.group(3)}: {what}"
     return text
 
 
@@ -232,7 +237,8 @@ def validate(s: Settings) -> None:
         (s.exit_barrier_timeout >= 0, "exit_barrier_timeout: must be >= 0"),
         (s.progress_timeout > 0, f"progress_timeout: must be > 0, got {s.progress_timeout}"),
         (s.hang_state_timeout > 0, "hang_state_timeout: must be > 0"),
-        (0 <= s.health_port <= 65535, f"health_port: must be 0..65535, got {s.health_port}"),
+        (s.health_port is None or 0 <= s.health_port <= 65535,
+         f"health_port: must be 0..65535, got {s.health_port}"),
         (s.master_port is None or 0 <= s.master_port <= 65535,
          f"master_port: must be 0..65535, got {s.master_port}"),
         (s.restart_budget_window is None or s.restart_budget_window > 0,
@@ -263,6 +269,35 @@ def validate(s: Settings) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+
+
+def advisories(s: Settings) -> list[tuple[int, str]]:
+    """(logging level, line) for valid settings that have no effect with the chosen
+    backend (WARNING), or an effect a user may not expect (INFO); each names the setting."""
+    notes: list[tuple[int, str]] = []
+    if s.rdzv_backend == "static":
+        if s.rdzv_endpoint:
+            notes.append((logging.WARNING,
+                          f"rdzv_endpoint: ignored by the static backend ({s.rdzv_endpoint!r}); "
+                          "it uses master_addr/master_port; for a rendezvous server use "
+                          "--rdzv-backend etcd"))
+        if s.rdzv_conf:
+            notes.append((logging.WARNING,
+                          f"rdzv_conf: ignored by the static backend ({s.rdzv_conf!r})"))
+        if s.max_nodes > 1:
+            notes.append((
+                logging.INFO,
+                f"nnodes: the static backend does not coordinate nodes: this node "
+                f"(node_rank {s.node_rank} of {s.max_nodes}) starts its workers at once and "
+                "nothing checks that the other nodes take part (their workers meet in the "
+                f"store at master_addr {s.master_addr}); --rdzv-backend etcd makes nodes "
+                "join, restart and fail together",
+            ))
+    elif s.rdzv_backend == "etcd" and s.node_rank != 0:
+        notes.append((logging.WARNING,
+                      f"node_rank: ignored by the etcd backend ({s.node_rank}); "
+                      "node ranks are assigned at each rendezvous round"))
+    return notes
 
 
 def to_toml_dict(settings: Settings) -> dict[str, Any]:

@@ -166,6 +166,7 @@ class Controller:
             environ=environ, timer_file=timer_file, post=self._post, guardian=guardian,
             sweep_adopted=sweep_adopted, exempt_pids=exempt_pids, command=command, cpus=cpus,
         )
+        self.health_port: int | None = None  # set once the health socket is bound
         self._action = anyio.CancelScope()
         self._tg: TaskGroup | None = None
         self._send: Outbox | None = None
@@ -225,7 +226,7 @@ class Controller:
         old = self.state
         new, decision = sm.transition(old, event, self.policy)
         self.state = new
-        self.events.attempt = new.attempt
+        self.events.attempt = self.shown_attempt(new.attempt)
         if new.phase is not old.phase:
             logger.info("%s -> %s (%s)", old.phase.value, new.phase.value, type(event).__name__)
             self.events.emit(
@@ -371,7 +372,7 @@ class Controller:
         assert self.round is not None and self._tg is not None
         group = self.group
         self.progress.reset(decision.attempt)
-        self.events.attempt = decision.attempt
+        self.events.attempt = self.shown_attempt(decision.attempt)
         try:
             attempt, failed_to_start = group.launch(decision.attempt, decision.restart_count,
                                                     self.round)
@@ -495,7 +496,14 @@ class Controller:
     def _summarise(self) -> None:
         s = self.state
         if s.phase is sm.Phase.SUCCEEDED:
-            logger.info("job succeeded after %d restart(s)", s.restart_count)
+            unchecked = self.rendezvous.backend == "static" and self.settings.max_nodes > 1
+            logger.info("job succeeded after %d restart(s)%s", s.restart_count,
+                        " on this node (static backend: the other nodes were not checked)"
+                        if unchecked else "")
+            return
+        if s.phase is sm.Phase.STOPPED:
+            # asked to stop (SIGTERM, systemctl stop): a clean end, not an error to alert on
+            logger.info("job stopped (exit code %s): %s", s.exit_code, s.last_decision_reason)
             return
         logger.error("job %s (exit code %s): %s", s.phase.value, s.exit_code,
                      s.last_decision_reason)
@@ -506,9 +514,9 @@ class Controller:
         lines = ["failure summary:", f"  root cause: {failure.describe()}"]
         if failure.local_rank is not None:
             rank = attempt.layout.rank_offset + failure.local_rank
-            lines.append(f"  rank {rank} (local {failure.local_rank}), attempt {failure.attempt}")
-            lines.append(f"  error file: {attempt.error_file(failure.local_rank)}")
-            lines.append(f"  logs: {attempt.directory / str(failure.local_rank)}")
+            shown = self.shown_attempt(failure.attempt)
+            lines.append(f"  rank {rank} (local {failure.local_rank}), attempt {shown}")
+            lines.extend(f"  {line}" for line in self._rank_files(failure))
         for worker in attempt.workers:
             st = worker.status
             outcome = (
@@ -518,6 +526,34 @@ class Controller:
             )
             lines.append(f"  local rank {worker.local_rank} pid {worker.pid}: {outcome}")
         logger.error("\n".join(lines))
+
+    def _rank_files(self, failure: sm.Failure) -> list[str]:
+        """Summary lines naming the failed rank's files that exist: its error file, its
+        output logs, or where the output went instead (nothing redirected: the console)."""
+        assert failure.local_rank is not None
+        rank_dir = self.attempt_dir(failure.attempt) / str(failure.local_rank)
+        lines = []
+        error_file = rank_dir / "error.json"
+        if error_file.is_file():
+            lines.append(f"error file: {error_file}")
+        logs = [str(rank_dir / n) for n in ("stdout.log", "stderr.log") if (rank_dir / n).is_file()]
+        if logs:
+            lines.append(f"logs: {', '.join(logs)}")
+        else:
+            lines.append("output: on the console above (--redirects or --tee keep it in files)")
+        return lines
+
+    def shown_attempt(self, number: int) -> int:
+        """The attempt number users see, everywhere (summary, /status, events, metrics,
+        STATUS): K of its ``attempt_K`` directory, torchrun's layout. It counts from 0 and
+        continues after the directories an earlier run left under the same run id.
+        ``number`` is the state machine's launch count (1 for the first launch); before
+        the first launch this is the number the first attempt will get."""
+        return self.group.dir_base + max(number, 1) - 1
+
+    def attempt_dir(self, number: int) -> Path:
+        """The directory of the attempt with state machine number ``number``."""
+        return self.log_root / self.run_id / f"attempt_{self.shown_attempt(number)}"
 
     # ------------------------------------------------------------------ snapshots
     def live_worker_ranks(self) -> dict[int, int]:
@@ -544,7 +580,7 @@ class Controller:
         return Snapshot(
             run_id=self.run_id,
             phase=s.phase.value,
-            attempt=s.attempt,
+            attempt=self.shown_attempt(s.attempt),
             restart_count=s.restart_count,
             max_restarts=self.settings.max_restarts,
             restarts_left=self.policy.budget_left(s.history, time.monotonic()),
@@ -574,18 +610,22 @@ class Controller:
         n = self.settings.local_world_size
         up = len(s.running) if s.phase is sm.Phase.RUNNING else 0
         budget = f"restarts {s.restart_count}/{self.settings.max_restarts}"
-        return f"{s.phase.value} attempt {s.attempt}: {up}/{n} workers, {budget}"
+        shown = self.shown_attempt(s.attempt)
+        line = f"{s.phase.value} attempt {shown}: {up}/{n} workers, {budget}"
+        # the port actually used: it differs from the default when that one was busy
+        return line if self.health_port is None else f"{line}, health port {self.health_port}"
 
     def _failure_view(self, failure: sm.Failure | None) -> FailureView | None:
         if failure is None:
             return None
         offset = self.attempt.layout.rank_offset if self.attempt else 0
         error_file = None
-        if self.attempt is not None and failure.local_rank is not None:
-            error_file = str(self.attempt.error_file(failure.local_rank))
+        if failure.local_rank is not None:
+            path = self.attempt_dir(failure.attempt) / str(failure.local_rank) / "error.json"
+            error_file = str(path) if path.is_file() else None  # only a file that exists
         return FailureView(
             kind=failure.kind.value,
-            attempt=failure.attempt,
+            attempt=self.shown_attempt(failure.attempt),
             local_rank=failure.local_rank,
             global_rank=None if failure.local_rank is None else offset + failure.local_rank,
             pid=failure.pid,

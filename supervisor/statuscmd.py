@@ -48,7 +48,10 @@ def main_status(argv: list[str]) -> int:
     try:
         doc = fetch_status(url, ns.timeout)
     except StatusError as exc:
-        sys.stderr.write(f"{PROG}: {exc}\n")
+        # the default URL is a guess: the port may have moved (a busy default) or be another
+        hint = (" (is a supervisor running here? its health port is in its log and STATUS "
+                "line; pass --url http://HOST:PORT)") if ns.url == DEFAULT_URL else ""
+        sys.stderr.write(f"{PROG}: {exc}{hint}\n")
         return EXIT_UNREACHABLE
     if ns.json:
         sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")

@@ -340,9 +340,8 @@ class StatusReporter:
     """Turns the controller's published snapshots into READY, STATUS and STOPPING.
 
     - ``STATUS=`` whenever the line changes (``snap.status_line``, else ``format_status``);
-    - ``READY=1`` once, with the first snapshot after a group launched (``attempt >= 1``:
-      attempts count launches), so a reader that skips intermediate snapshots still
-      sends it;
+    - ``READY=1`` once, with the first snapshot after a group launched (it lists
+      workers), so a reader that skips intermediate snapshots still sends it;
     - ``STOPPING=1`` once, at ``stopping()`` (call it on a shutdown request) or at the
       first final phase, whichever comes first.
     """
@@ -355,7 +354,7 @@ class StatusReporter:
 
     def publish(self, snap: Snapshot) -> None:
         line = snap.status_line or format_status(snap)
-        if not self._ready and snap.attempt >= 1:
+        if not self._ready and snap.workers:
             self._ready = True
             self._last = line
             self.notifier.ready(line)

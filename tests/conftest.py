@@ -6,13 +6,15 @@ import os
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
 import pytest
 from anyio.abc import Process
+
+from tests import deps
 
 TESTS = Path(__file__).parent
 FAKE_WORKER = str(TESTS / "workers" / "fake_worker.py")
@@ -166,3 +168,49 @@ async def wait_dead(pids: Sequence[int], timeout: float) -> None:
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+# ---------------------------------------------------------------- optional dependencies
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for marker, (_, how) in {**deps.MODULES, **deps.BINARIES}.items():
+        config.addinivalue_line("markers", f"{marker}: needs {marker} ({how})")
+
+
+@pytest.fixture(autouse=True)
+def _declared_dependencies(request: pytest.FixtureRequest) -> None:
+    """A marker such as ``@pytest.mark.torch`` is a dependency: skip (with how to get
+    it) or, under ELASTIC_SUPERVISOR_REQUIRE_DEPS=1, fail before the test body runs."""
+    for marker in request.node.iter_markers():
+        deps.need_marker(marker.name)
+
+
+# skip reasons that mean "something is not installed", whoever raised them
+_DEPENDENCY_SKIP = re.compile(
+    "^" + re.escape(deps.PREFIX) + r"|could not import|No module named|not installed"
+)
+
+
+def _fail_dependency_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
+    """Under ELASTIC_SUPERVISOR_REQUIRE_DEPS=1 no dependency skip passes, even one made by
+    a bare ``pytest.importorskip`` or ``pytest.skip`` that bypassed tests/deps.py."""
+    if not (report.skipped and deps.required()) or hasattr(report, "wasxfail"):
+        return
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    if _DEPENDENCY_SKIP.search(reason):
+        report.outcome = "failed"
+        report.longrepr = f"{reason} [{deps.REQUIRE_ENV}=1: dependency skips fail]"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    _fail_dependency_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    outcome = yield
+    _fail_dependency_skip(outcome.get_result())

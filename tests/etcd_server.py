@@ -4,14 +4,13 @@
 until ``/health`` answers (the one acceptable poll: waiting for a server to come up),
 and stops everything it started: SIGTERM, then SIGKILL after 5 s.
 
-Missing ``etcd`` skips the test, or fails it when ``CI=true`` (CI installs etcd-server).
+Missing ``etcd`` skips the test, or fails it under ELASTIC_SUPERVISOR_REQUIRE_DEPS=1
+(``.ci/run`` installs etcd-server and sets it): see tests/deps.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -23,21 +22,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
+from tests import deps
 
 HEALTH_TIMEOUT = 15.0
 STOP_GRACE = 5.0
 
 
 def etcd_binary() -> str:
-    """Path of ``etcd``; skip (or fail on CI) when it is not installed."""
-    path = shutil.which("etcd")
-    if path is None:
-        reason = "etcd is not installed (apt-get install etcd-server)"
-        if os.environ.get("CI") == "true":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    return path
+    """Path of ``etcd``; skip (or fail under .ci/run) when it is not installed."""
+    return deps.need_binary("etcd")
 
 
 def free_port() -> int:
@@ -60,8 +53,7 @@ class TlsMaterial:
 
 def make_tls_material(directory: Path) -> TlsMaterial:
     """Create the CA and certificates with the ``openssl`` CLI (skip if missing)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
+    deps.need_binary("openssl", "apt-get install openssl")
     directory.mkdir(parents=True, exist_ok=True)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     ca, ca_key = directory / "ca.crt", directory / "ca.key"

@@ -20,6 +20,7 @@ import supervisor
 from supervisor.api import WorkerGroupFailed, launch_settings
 from supervisor.config import ConfigError, build
 from supervisor.workers.bootstrap import error_record, substitute
+from tests import deps
 from tests.conftest import pid_alive, wait_dead
 
 # ----------------------------------------------------------------------------- rank code
@@ -104,7 +105,7 @@ def test_error_file_has_torchs_format(tmp_path: Path) -> None:
 
 @pytest.mark.torch
 def test_torch_reads_our_error_file(tmp_path: Path) -> None:
-    errors = pytest.importorskip("torch.distributed.elastic.multiprocessing.errors")
+    errors = deps.need_module("torch.distributed.elastic.multiprocessing.errors")
     with pytest.raises(WorkerGroupFailed) as caught:
         supervisor.launch(config(tmp_path, nproc_per_node=2), fail_on_rank_one, "boom")
     failure = caught.value.failures[1]

@@ -37,6 +37,7 @@ from supervisor.workers.logs import (
     route_stream,
 )
 from supervisor.workers.output import OutputPlan
+from tests import deps
 from tests.conftest import FAKE_WORKER, supervisor
 
 BASE = ["--health-port", "0", "--shutdown-timeout", "5"]
@@ -104,7 +105,7 @@ def test_routes_match_torchrun(
     tmp_path: Path, redirects: str, tee: str, ranks_filter: str
 ) -> None:
     """Cross-check against torch 2.13's own DefaultLogsSpecs.reify."""
-    api = pytest.importorskip("torch.distributed.elastic.multiprocessing.api")
+    api = deps.need_module("torch.distributed.elastic.multiprocessing.api")
     shown = parse_ranks_filter(ranks_filter)
     specs = api.DefaultLogsSpecs(
         log_dir=str(tmp_path), redirects=api.Std.from_str(redirects),

@@ -62,7 +62,7 @@ INSTALLED_BINARY = "/opt/elastic-supervisor/venv/bin/elastic-supervisor"
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # the daemon's default shutdown_timeout (DESIGN.md)
 SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
 needs_systemd_analyze = pytest.mark.skipif(
-    SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed"
+    SYSTEMD_ANALYZE is None, reason="systemd-analyze is not installed (apt-get install systemd)"
 )
 
 # ============================================================================ unit files

@@ -13,12 +13,10 @@ from pathlib import Path
 import anyio
 import pytest
 
+from tests import deps
 from tests.conftest import REPO, supervisor
 
-if os.environ.get("CI"):
-    import torch  # noqa: F401  (.ci/run installs torch: a missing one must fail, not skip)
-else:
-    pytest.importorskip("torch", reason="pip install torch==2.13.0 to run the DDP jobs")
+deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
 pytestmark = pytest.mark.torch
 
 TRAIN = str(REPO / "examples" / "ddp_train.py")

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import os
 import shlex
 from pathlib import Path
 
 import pytest
 
 from supervisor.cli import _run_parser, parse_run_args
+from tests import deps
 
-if os.environ.get("CI"):
-    import torch  # noqa: F401  (.ci/run installs torch: a missing one must fail, not skip)
-else:
-    pytest.importorskip("torch", reason="pip install torch==2.13.0 to compare with torchrun")
+deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
 pytestmark = pytest.mark.torch
 
 LINES = Path(__file__).parent / "data" / "torchrun_command_lines.txt"

@@ -153,7 +153,7 @@ class WorkerGroup:
         self.auto_excluded: set[str] = set()  # packages that read a per-attempt variable
         self._taint_retries: dict[int, int] = {}
         self._python = self.environ.get("PYTHON_EXEC", sys.executable)
-        self._dir_base = _next_attempt_index(log_root / run_id)
+        self.dir_base = _next_attempt_index(log_root / run_id)
         self._spawning: anyio.Event | None = None  # set when standbys being started are in
         # whether rank 0's store listened on MASTER_PORT in an earlier attempt (learned)
         self.store_seen = False
@@ -163,7 +163,7 @@ class WorkerGroup:
         self, number: int, restart_count: int, rnd: RendezvousResult
     ) -> tuple[Attempt, list[tuple[int, str]]]:
         """Start every local rank of attempt ``number``; returns it and ranks that failed."""
-        dir_index = self._dir_base + number - 1
+        dir_index = self.dir_base + number - 1
         layout = GroupLayout(
             run_id=self.run_id,
             role=self.settings.role,
