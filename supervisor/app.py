@@ -186,7 +186,8 @@ async def supervise(
     if not embedded:
         set_child_subreaper()
     cookie = uuid.uuid4().hex
-    guardian = Guardian(cookie)
+    # the guardian also removes the runtime directory if we die (a SIGKILL skips cleanup)
+    guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None)
     hub = SnapshotHub(_initial_snapshot(settings, run_id))
     observers: list[Observer] = [_StopNotice(reporter)]
     controller = Controller(
@@ -211,6 +212,7 @@ async def supervise(
             await tg.start(output.run)
             await tg.start(rendezvous.run)
             await tg.start(lag.run)
+            await tg.start(guardian.run)
             watchdog = None
             if timer_file is not None:
                 watchdog = await start_watchdog(tg, settings, controller, timer_file, send)
