@@ -232,6 +232,11 @@ class Guardian:
         return self._proc.pid
 
     @property
+    def watched(self) -> frozenset[int]:
+        """The process groups the guardian holds (or will, once it reads its pipe)."""
+        return frozenset(self._watched)
+
+    @property
     def backlog(self) -> int:
         """Messages waiting for the guardian to read its pipe."""
         return len(self._backlog)

@@ -144,7 +144,7 @@ def _reap(workers: Sequence[Worker], kill_wait: float) -> None:
         if worker.poll_exit() is not None:
             worker.reap()
         elif not worker.reaped:  # uninterruptible sleep: SIGKILL is pending until it ends
-            logger.error("worker pid %d survived SIGKILL for %.0f s; it is reaped by a "
+            logger.error("worker pid %d survived SIGKILL for %.1f s; it is reaped by a "
                          "later stop", worker.pid, kill_wait)
             _lingering[worker.pid] = worker
 
