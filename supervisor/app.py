@@ -52,7 +52,7 @@ from supervisor.systemd import (
     run_watchdog_pings,
 )
 from supervisor.watchdog.dstate import DStateMonitor
-from supervisor.watchdog.escalate import HangDump
+from supervisor.watchdog.escalate import HangDump, resolve_hang_dump
 from supervisor.watchdog.fifo import FifoError, check_fifo_path
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
@@ -136,6 +136,19 @@ def check_devices(settings: Settings, environ: Mapping[str, str]) -> None:
         )
 
 
+def check_hang_dump(settings: Settings, environ: Mapping[str, str]) -> HangDump:
+    """``--hang-dump``, with py-spy found and able to attach, or a one-line ConfigError."""
+    if settings.no_watchdog:
+        return HangDump()
+    try:
+        spec = resolve_hang_dump(settings.hang_dump, environ)
+    except ValueError as exc:
+        raise ConfigError(f"hang_dump: {exc}") from None
+    if spec.mode == "py-spy":
+        logger.info("hang dumps by %s", spec.py_spy)
+    return spec
+
+
 async def supervise(
     settings: Settings,
     environ: dict[str, str],
@@ -154,6 +167,7 @@ async def supervise(
     if command is None:
         check_runnable(settings, environ)
     check_devices(settings, environ)
+    hang_dump = check_hang_dump(settings, environ)
     if cpus is None:
         cpus = cpus_for(settings)
     try:
@@ -215,7 +229,9 @@ async def supervise(
             await tg.start(guardian.run)
             watchdog = None
             if timer_file is not None:
-                watchdog = await start_watchdog(tg, settings, controller, timer_file, send)
+                watchdog = await start_watchdog(
+                    tg, settings, controller, timer_file, send, hang_dump
+                )
             if not settings.no_health:
                 sock = bind_health_socket(settings.health_host, settings.health_port)
                 port = sock.getsockname()[1]
@@ -311,6 +327,7 @@ async def start_watchdog(
     controller: Controller,
     timer_file: Path,
     outbox: Outbox,
+    hang_dump: HangDump,
 ) -> Watchdog:
     """Open the deadline FIFO and start the D-state check; both report into the inbox."""
 
@@ -320,7 +337,7 @@ async def start_watchdog(
 
     config = WatchdogConfig(
         kill_grace=min(5.0, max(0.5, settings.shutdown_timeout)),
-        hang_dump=HangDump.parse(settings.hang_dump),
+        hang_dump=hang_dump,
         dump_path=dump_path,
     )
     watchdog = Watchdog(
