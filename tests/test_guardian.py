@@ -22,8 +22,15 @@ import psutil
 import pytest
 
 from supervisor.workers import stop
-from supervisor.workers.guardian import COOKIE_ENV, Guardian
-from supervisor.workers.spawn import DeathSignal, Worker, WorkerSpec, spawn_worker, wait_exit
+from supervisor.workers.guardian import COOKIE_ENV, Guardian, start_time
+from supervisor.workers.spawn import (
+    DeathSignal,
+    Worker,
+    WorkerSpec,
+    on_reaping,
+    spawn_worker,
+    wait_exit,
+)
 from tests.conftest import FAKE_WORKER, Supervised, pid_alive, supervisor, wait_dead
 from tests.test_watchdog import Freezer, freezer, proc_state  # noqa: F401 (fixture)
 
@@ -138,9 +145,11 @@ async def test_worker_reaped_by_a_later_sweep_is_forgotten_first(
             new = spawn_worker(_sleeper(), death)
             guardian.watch(new.pid)
             tg.start_soon(_monitor, new)
+            # the sweep takes every child of ours it is not told to keep: keep all but
+            # the old worker (this test process may have other children, e.g. an etcd)
+            keep = [c.pid for c in psutil.Process().children() if c.pid != old.pid]
             await stop.stop_group([new], signum=signal.SIGTERM, grace=WAIT,
-                                  kill_now=anyio.Event(), sweep_adopted=True,
-                                  exempt=[guardian.pid])
+                                  kill_now=anyio.Event(), sweep_adopted=True, exempt=keep)
         assert old.reaped and new.reaped
         assert old.pid not in stop.lingering()
         assert not guardian.watched
@@ -149,6 +158,54 @@ async def test_worker_reaped_by_a_later_sweep_is_forgotten_first(
         assert info.value.errno == errno.EBADF
     finally:
         guardian.close()
+
+
+def _own_group_sleeper() -> subprocess.Popen[bytes]:
+    """A process of ours leading its own process group, as a worker does."""
+    return subprocess.Popen(["sleep", "600"], start_new_session=True)
+
+
+def _tell(guardian: Guardian, line: bytes) -> None:
+    """Write a protocol line into the guardian's pipe as the supervisor would."""
+    fd = os.open(f"/proc/{guardian.pid}/fd/0", os.O_WRONLY)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+async def test_registration_of_a_recycled_pid_is_ignored() -> None:
+    """A registration that reaches the guardian after its pid was recycled (its message
+    waited in the pipe) names another start time: the newcomer's group is not killed."""
+    guardian = Guardian()
+    newcomer, worker = _own_group_sleeper(), _own_group_sleeper()
+    try:
+        start = start_time(newcomer.pid)
+        assert start is not None
+        _tell(guardian, b"+ %d %d\n" % (newcomer.pid, start - 1))  # an older process's
+        guardian.watch(worker.pid)
+        guardian.close()
+        assert worker.wait(WAIT) == -signal.SIGKILL
+        assert newcomer.poll() is None
+    finally:
+        for p in (newcomer, worker):
+            p.kill()
+            p.wait()
+
+
+async def test_reaping_hooks_run_while_the_worker_is_still_a_zombie() -> None:
+    """The guardian must forget a group before its id can be recycled: before the reap."""
+    seen: list[tuple[int, str]] = []
+    remove = on_reaping(lambda pid: seen.append((pid, proc_state(pid))))
+    try:
+        worker = spawn_worker(_sleeper(), DeathSignal())
+        worker.popen.kill()
+        with anyio.fail_after(WAIT):
+            await wait_exit(worker)
+        worker.reap()
+    finally:
+        remove()
+    assert seen == [(worker.pid, "Z")]
 
 
 # ------------------------------------------------------------------ items 6 and 11: the daemon
