@@ -51,6 +51,9 @@ async def kill_parent_and_see_worker_die(env: dict[str, str]) -> str:
         with anyio.fail_after(WAIT):
             line = await anyio.to_thread.run_sync(parent.stdout.readline)
         kind, pid = line.decode().split()
+        with anyio.fail_after(WAIT):  # past the wrapper (which sets the signal) into sleep
+            while _cmdline(int(pid)).split(b"\0")[:2] != [sys.executable.encode(), b"-c"]:
+                await anyio.sleep(0.01)  # exec is no event we can wait on
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         await wait_dead([int(pid)], timeout=WAIT)  # the kernel's parent-death signal
@@ -60,6 +63,14 @@ async def kill_parent_and_see_worker_die(env: dict[str, str]) -> str:
         parent.wait()
         if parent.stdout is not None:
             parent.stdout.close()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 async def test_worker_dies_with_its_parent_through_setpriv() -> None:
