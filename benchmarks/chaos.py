@@ -12,7 +12,8 @@ every 0.2 s. For SECONDS the harness injects, at random:
   ``crash`` (a random non-zero exit code), ``sigkill`` (SIGKILL a worker), ``hang`` (a
   worker blocks inside ``supervisor.worker.expires(0.3)``), ``sigstop`` (SIGSTOP a worker:
   its ``loop`` deadline expires), ``sigstop+crash`` (SIGSTOP one worker, crash another: the
-  group stop must SIGKILL a stopped process);
+  group stop must SIGKILL a stopped process), ``guardian-stop`` (SIGSTOP the guardian and
+  fill its pipe, then crash a worker: the restart must not block on the pipe);
 - ``flood`` (a worker writes thousands of lines at once), ``grandchild`` (SIGKILL a
   worker's grandchild), ``sigusr1`` (to the supervisor: forwarded to every worker);
 - in the background, all the time: ``fifo`` (garbage, oversized lines and forged requests
@@ -75,6 +76,7 @@ FOREIGN_MARK = "CHAOS_FOREIGN"  # processes the supervisor must never touch
 SHUTDOWN_TIMEOUT = 2.0  # the supervisor's grace before SIGKILL (a SIGSTOPped worker needs it)
 LOOP_DEADLINE = 4.0  # every worker renews a deadline this long every 0.2 s
 HANG_DEADLINE = 0.3
+DESTRUCTIVE = ("crash", "sigkill", "hang", "sigstop", "sigstop+crash", "guardian-stop")
 WAIT = 40.0  # longest wait for any one consequence (a restart, a reply)
 FD_BOUND = 2  # "back within a small bound of the start"
 THREAD_BOUND = 2
@@ -609,8 +611,32 @@ class Chaos:
             fault.detail.update(other=other, exit_code=code)
             self.kill(pid, signal.SIGSTOP)
             self.command(other, f"exit {code}")
-        await self.wait_group(restart + 1)
+        elif kind == "guardian-stop":
+            code = self.rng.randint(1, 255)
+            fault.detail["exit_code"] = code
+            await self.stop_guardian()
+            self.command(pid, f"exit {code}")
+        try:
+            await self.wait_group(restart + 1)
+        finally:
+            if kind == "guardian-stop":
+                self.kill(self.guardian, signal.SIGCONT)
         fault.observed = True
+
+    async def stop_guardian(self) -> None:
+        """SIGSTOP the guardian and fill its pipe (through /proc) with lines it ignores."""
+        self.kill(self.guardian, signal.SIGSTOP)
+        with anyio.fail_after(WAIT):  # kill() returns before the stop takes effect
+            while proc_state(self.guardian) != "T":
+                await anyio.sleep(0.01)  # no event tells us
+        fd = os.open(f"/proc/{self.guardian}/fd/0", os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            for chunk in (b"#\n" * 2048, b"#\n"):
+                with contextlib.suppress(BlockingIOError):
+                    while True:
+                        os.write(fd, chunk)
+        finally:
+            os.close(fd)
 
     async def flood(self) -> None:
         restart, group = self.current()
@@ -782,6 +808,7 @@ class Chaos:
 
     async def main_loop(self, until: float) -> None:
         kinds = {"crash": 3, "sigkill": 2, "hang": 2, "sigstop": 1, "sigstop+crash": 1,
+                 "guardian-stop": 1,
                  "flood": 2, "grandchild": 2, "sigusr1": 2}
         names, weights = list(kinds), list(kinds.values())
         while time.monotonic() < until:
@@ -789,7 +816,7 @@ class Chaos:
             await self.wait_group(restart)
             kind = self.rng.choices(names, weights)[0]
             log(f"{kind} (restart {restart})")
-            if kind in ("crash", "sigkill", "hang", "sigstop", "sigstop+crash"):
+            if kind in DESTRUCTIVE:
                 await self.destructive(kind)
             else:
                 await {"flood": self.flood, "grandchild": self.grandchild,
@@ -868,7 +895,7 @@ class Chaos:
     def expected_root_kinds(self) -> Counter[str]:
         kinds: Counter[str] = Counter()
         for f in self.faults:
-            if f.kind in ("crash", "sigstop+crash"):
+            if f.kind in ("crash", "sigstop+crash", "guardian-stop"):
                 kinds["exited"] += 1
             elif f.kind == "sigkill":
                 kinds["signaled"] += 1
@@ -972,7 +999,7 @@ class Chaos:
         exits = {e["pid"]: e for e in self.board.events_named("worker_exited")}
         stopping = self.board.events_named("group_stopping")
         for f in self.faults:
-            if f.kind in ("crash", "sigkill", "hang", "sigstop", "sigstop+crash"):
+            if f.kind in DESTRUCTIVE:
                 self._check_destructive(f, exits, stopping)
             elif f.kind == "flood":
                 self._check_flood(f)
@@ -995,7 +1022,8 @@ class Chaos:
         if exited is None:
             f.problems.append(f"no worker_exited event for pid {f.victim}")
             return
-        if f.kind == "crash" and exited.get("exit_code") != f.detail["exit_code"]:
+        if f.kind in ("crash", "guardian-stop") and \
+                exited.get("exit_code") != f.detail["exit_code"]:
             f.problems.append(f"pid {f.victim} exit {exited} != code {f.detail['exit_code']}")
         # a hung worker may take the group stop's SIGTERM (its handler exits 143) before
         # the watchdog's SIGKILL; a stopped one can only die by SIGKILL

@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import uuid
@@ -56,12 +55,11 @@ from supervisor.systemd import (
     run_watchdog_pings,
 )
 from supervisor.watchdog.dstate import DStateMonitor
-from supervisor.watchdog.escalate import HangDump
+from supervisor.watchdog.escalate import HangDump, resolve_hang_dump
 from supervisor.watchdog.fifo import FifoError, check_fifo_path
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
 from supervisor.workers.output import OutputPlan, OutputSpecError
-from supervisor.workers.spawn import DeathSignal
 from supervisor.workers.topology import cpus_for
 
 logger = logging.getLogger(__name__)
@@ -180,6 +178,19 @@ def check_devices(settings: Settings, environ: Mapping[str, str]) -> None:
         )
 
 
+def check_hang_dump(settings: Settings, environ: Mapping[str, str]) -> HangDump:
+    """``--hang-dump``, with py-spy found and able to attach, or a one-line ConfigError."""
+    if settings.no_watchdog:
+        return HangDump()
+    try:
+        spec = resolve_hang_dump(settings.hang_dump, environ)
+    except ValueError as exc:
+        raise ConfigError(f"hang_dump: {exc}") from None
+    if spec.mode == "py-spy":
+        logger.info("hang dumps by %s", spec.py_spy)
+    return spec
+
+
 async def supervise(
     settings: Settings,
     environ: dict[str, str],
@@ -199,6 +210,7 @@ async def supervise(
         check_runnable(settings, environ)
     check_devices(settings, environ)
     check_master_addr(settings)
+    hang_dump = check_hang_dump(settings, environ)
     if cpus is None:
         cpus = cpus_for(settings)
     try:
@@ -209,7 +221,6 @@ async def supervise(
     log_root = _log_root(settings)
     event_log = Path(settings.event_log or log_root / run_id / "events.jsonl")
     check_event_log(event_log, "event_log" if settings.event_log else "log_dir")
-    hang_dump = resolve_hang_dump(settings, environ)
     rendezvous = make_rendezvous(settings, run_id)
     settings = conf_barrier_timeout(settings)
     runtime = RuntimeDir.create(environ)
@@ -243,7 +254,8 @@ async def supervise(
     if not embedded:
         set_child_subreaper()
     cookie = uuid.uuid4().hex
-    guardian = Guardian(cookie)
+    # the guardian also removes the runtime directory if we die (a SIGKILL skips cleanup)
+    guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None)
     hub = SnapshotHub(_initial_snapshot(settings, run_id))
     observers: list[Observer] = [_StopNotice(reporter)]
     controller = Controller(
@@ -254,7 +266,6 @@ async def supervise(
         progress=progress, observers=observers,
         stop_guard=lambda: extending_timeout(notifier),
     )
-    check_death_signal(controller.group.death)
     for level, note in advisories(settings):  # after the checks: a failed start is one line
         logger.log(level, "%s", note)
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
@@ -271,6 +282,7 @@ async def supervise(
             await tg.start(output.run)
             await tg.start(rendezvous.run)
             await tg.start(lag.run)
+            await tg.start(guardian.run)
             watchdog = None
             if timer_file is not None:
                 watchdog = await start_watchdog(
@@ -411,7 +423,7 @@ async def start_watchdog(
     controller: Controller,
     timer_file: Path,
     outbox: Outbox,
-    hang_dump: HangDump | None = None,
+    hang_dump: HangDump,
 ) -> Watchdog:
     """Open the deadline FIFO and start the D-state check; both report into the inbox."""
 
@@ -421,7 +433,7 @@ async def start_watchdog(
 
     config = WatchdogConfig(
         kill_grace=min(5.0, max(0.5, settings.shutdown_timeout)),
-        hang_dump=hang_dump or HangDump.parse(settings.hang_dump),
+        hang_dump=hang_dump,
         dump_path=dump_path,
     )
     watchdog = Watchdog(
@@ -564,47 +576,6 @@ def check_event_log(path: Path, setting: str) -> None:
     except OSError as exc:
         raise ConfigError(f"{setting}: cannot open the event log {path}: {_reason(exc)}") from None
     os.close(fd)
-
-
-def resolve_hang_dump(settings: Settings, environ: Mapping[str, str]) -> HangDump:
-    """``--hang-dump py-spy`` needs py-spy, on PATH or next to our interpreter (a venv's
-    bin/, which a systemd unit's PATH lacks). There is no fallback: asked for and missing
-    is a start-up error, not a surprise at the first hang."""
-    try:
-        spec = HangDump.parse(settings.hang_dump)
-    except ValueError as exc:  # e.g. signal:SIGKILL, which leaves nothing to dump
-        raise ConfigError(f"hang_dump: {exc}") from None
-    if spec.mode != "py-spy" or settings.no_watchdog:
-        return spec
-    found = shutil.which(spec.py_spy, path=environ.get("PATH")) or shutil.which(
-        spec.py_spy, path=os.path.dirname(sys.executable)
-    )
-    if found is None:
-        raise ConfigError(
-            "hang_dump: py-spy is not installed (pip install 'elastic-supervisor[hang-dump]'),"
-            " or use --hang-dump signal:SIGUSR1 or none"
-        )
-    return msgspec.structs.replace(spec, py_spy=found)
-
-
-def check_death_signal(death: DeathSignal) -> None:
-    """Workers die with us through ``setpriv --pdeathsig``; util-linux before 2.33 has no
-    such option and a minimal image may have no setpriv at all. Either way the fallback,
-    a Python shim that calls prctl itself, takes over, and the start-up log says so."""
-    if death.setpriv is None:
-        logger.info("setpriv not found: workers get their death signal from a Python shim")
-        return
-    try:
-        probe = subprocess.run(
-            [death.setpriv, "--help"], capture_output=True, text=True, timeout=5, check=False
-        )
-        usable = "--pdeathsig" in probe.stdout
-    except (OSError, subprocess.SubprocessError):
-        usable = False
-    if not usable:
-        logger.info("%s has no --pdeathsig (util-linux < 2.33): workers get their death "
-                    "signal from a Python shim", death.setpriv)
-        death.setpriv = None
 
 
 def _reason(exc: OSError) -> str:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import REPO
 
-DESTRUCTIVE = ("crash", "sigkill", "hang", "sigstop", "sigstop+crash")
+DESTRUCTIVE = ("crash", "sigkill", "hang", "sigstop", "sigstop+crash", "guardian-stop")
 
 
 async def run_chaos(tmp_path: Path, seconds: float) -> dict[str, Any]:

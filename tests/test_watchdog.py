@@ -14,7 +14,6 @@ import fcntl
 import json
 import logging
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -45,6 +44,7 @@ from supervisor.watchdog.escalate import (
     HangDump,
     ProcessHandle,
     dump_hang,
+    find_py_spy,
     terminate,
 )
 from supervisor.watchdog.fifo import (
@@ -733,13 +733,17 @@ async def test_py_spy_dump_is_saved(spawn: SpawnFn, tmp_path: Path) -> None:
     assert out.read_text() == f"dump --pid {child.pid} alive\n"
 
 
-@pytest.mark.skipif(shutil.which("py-spy") is None,
+REAL_PY_SPY = find_py_spy(os.environ.get("PATH", os.defpath), sys.executable)
+
+
+@pytest.mark.skipif(REAL_PY_SPY is None,
                     reason="py-spy is not installed (pip install elastic-supervisor[hang-dump])")
 async def test_real_py_spy_dump(spawn: SpawnFn, tmp_path: Path) -> None:
+    assert REAL_PY_SPY is not None
     child = await spawn("ignore-term")
     out = tmp_path / "dump.txt"
     with handle_of(child.pid) as handle:
-        await dump_hang(handle, HangDump("py-spy", timeout=WAIT), out)
+        await dump_hang(handle, HangDump("py-spy", timeout=WAIT, py_spy=REAL_PY_SPY), out)
     text = out.read_text()
     assert f"Process {child.pid}" in text
     assert "<module>" in text  # the stack of the sleeping script

@@ -11,9 +11,11 @@ import enum
 import logging
 import os
 import select
+import shutil
 import signal
 import subprocess
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 
@@ -42,6 +44,93 @@ class HangDump(msgspec.Struct, frozen=True):
         if kind == "signal" and name:
             return cls("signal", _parse_signal(name), timeout)
         raise ValueError(f"--hang-dump must be none, py-spy or signal:NAME, not {text!r}")
+
+
+def resolve_hang_dump(
+    text: str, environ: Mapping[str, str], interpreter: str = sys.executable
+) -> HangDump:
+    """Parse ``--hang-dump`` and, for py-spy, find a py-spy that can work, at start-up.
+
+    py-spy is looked up on ``PATH``, then next to the interpreter (a venv's ``bin``: the
+    systemd unit starts the supervisor by the venv's path without activating it). Raises
+    ``ValueError`` with a one-line reason when it is missing or could not attach."""
+    spec = HangDump.parse(text)
+    if spec.mode != "py-spy":
+        return spec
+    path = find_py_spy(environ.get("PATH", os.defpath), interpreter)
+    if path is None:
+        raise ValueError(
+            f"py-spy not found on PATH or in {os.path.dirname(interpreter)} "
+            "(pip install 'elastic-supervisor[hang-dump]')"
+        )
+    refusal = ptrace_refusal(_ptrace_scope(), os.geteuid(), _capabilities(), _file_caps(path))
+    if refusal is not None:
+        raise ValueError(f"{path} cannot attach to workers: {refusal}")
+    return msgspec.structs.replace(spec, py_spy=path)
+
+
+def find_py_spy(path: str, interpreter: str) -> str | None:
+    """``py-spy`` on ``path``, else in the interpreter's own directory; None if neither."""
+    found = shutil.which("py-spy", path=path)
+    if found is not None:
+        return os.path.abspath(found)
+    beside = os.path.join(os.path.dirname(os.path.abspath(interpreter)), "py-spy")
+    return beside if os.path.isfile(beside) and os.access(beside, os.X_OK) else None
+
+
+CAP_SYS_PTRACE = 19
+
+
+def ptrace_refusal(
+    scope: int | None, euid: int, caps: tuple[int, int], file_caps: bool
+) -> str | None:
+    """Why py-spy, our child, could not ptrace a worker (its sibling), or None if it can.
+
+    ``scope``: Yama's ``kernel.yama.ptrace_scope`` (None without Yama); ``caps``: our
+    bounding and ambient capability sets; ``file_caps``: py-spy carries file capabilities
+    (``setcap``), which we do not try to read. Scope 0 (and no Yama) lets a process trace
+    any of its uid; 1 only its descendants, 2 only with CAP_SYS_PTRACE: py-spy is no
+    ancestor of the worker, so both need the capability; 3 forbids ptrace altogether."""
+    if scope is None or scope <= 0:
+        return None
+    if scope >= 3:
+        return "kernel.yama.ptrace_scope=3 forbids ptrace altogether"
+    bounding, ambient = caps
+    # after exec, root's capabilities are the bounding set; a user keeps the ambient ones
+    inherited = bounding if euid == 0 else ambient
+    if inherited >> CAP_SYS_PTRACE & 1 or file_caps:
+        return None
+    return (f"kernel.yama.ptrace_scope={scope} needs CAP_SYS_PTRACE, which py-spy would not "
+            "have (set the sysctl to 0 or give AmbientCapabilities=CAP_SYS_PTRACE)")
+
+
+def _ptrace_scope() -> int | None:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope", "rb") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _capabilities() -> tuple[int, int]:
+    """Our bounding and ambient capability sets (all zero if unreadable)."""
+    found = {b"CapBnd:": 0, b"CapAmb:": 0}
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                key, _, value = line.partition(b"\t")
+                if key in found:
+                    found[key] = int(value.strip(), 16)
+    except (OSError, ValueError):
+        pass
+    return found[b"CapBnd:"], found[b"CapAmb:"]
+
+
+def _file_caps(path: str) -> bool:
+    try:
+        return bool(os.getxattr(path, "security.capability"))
+    except OSError:
+        return False
 
 
 def _parse_signal(name: str) -> int:
@@ -164,8 +253,12 @@ async def _py_spy_dump(pid: int, spec: HangDump, path: Path | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # stacks can hold secrets: readable by the service's group at most, like the logs
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
-    with open(fd, "wb") as out:
-        await _run_bounded(command, out.fileno(), spec.timeout)
+    try:
+        with open(fd, "wb") as out:
+            await _run_bounded(command, out.fileno(), spec.timeout)
+    except OSError:
+        path.unlink(missing_ok=True)  # no empty file that looks like a dump
+        raise
     logger.warning("hang dump of pid %d saved to %s", pid, path)
 
 

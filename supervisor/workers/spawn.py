@@ -9,13 +9,15 @@ its pid nor its process group id can be recycled while we may still signal them.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import anyio
@@ -105,17 +107,52 @@ class Worker:
         """Collect the zombie; after this the pid may be reused, so never signal it again."""
         if self.reaped:
             return
+        notify_reaping(self.pid)
         self.popen.wait()
         self.reaped = True
         os.close(self.pidfd)
 
 
+_reaping_hooks: list[Callable[[int], None]] = []
+
+
+def on_reaping(hook: Callable[[int], None]) -> Callable[[], None]:
+    """Have ``hook(pid)`` called just before any child of ours is reaped; returns the
+    function that removes it.
+
+    Reaping is a process-wide event: from then on the pid (and a worker's process group
+    id) may be recycled, so whatever names processes by number (the guardian) must hear of
+    it first, wherever the reaping happens (a stop, a later sweep, a standby's discard)."""
+    _reaping_hooks.append(hook)
+
+    def remove() -> None:
+        with contextlib.suppress(ValueError):
+            _reaping_hooks.remove(hook)
+
+    return remove
+
+
+def notify_reaping(pid: int) -> None:
+    """Tell the ``on_reaping`` hooks that ``pid`` (dead, not yet reaped) is about to be."""
+    for hook in list(_reaping_hooks):
+        hook(pid)
+
+
 class DeathSignal:
-    """Builds the exec-wrapper prefix that makes the kernel kill a worker when we die."""
+    """Builds the exec-wrapper prefix that makes the kernel kill a worker when we die.
+
+    ``setpriv --pdeathsig`` (util-linux 2.33 and later) where it works, else a small Python
+    shim: older setprivs (Ubuntu 18.04's 2.31, RHEL 8's 2.32) reject the option, and every
+    worker would fail to start. Whether it works is probed once per process."""
 
     def __init__(self) -> None:
-        self.setpriv = shutil.which("setpriv")
+        self.setpriv = usable_setpriv()
         self.taskset = shutil.which("taskset")
+
+    @property
+    def kind(self) -> str:
+        """``setpriv`` or ``shim``: what is in use (for the start-up log and tests)."""
+        return "setpriv" if self.setpriv else "shim"
 
     def prefix(self, cpus: tuple[int, ...] | None = None) -> list[str]:
         head: list[str]
@@ -126,6 +163,38 @@ class DeathSignal:
         if cpus and self.taskset:
             head += [self.taskset, "--cpu-list", ",".join(map(str, cpus))]
         return head
+
+
+PROBE_TIMEOUT = 5.0  # seconds; a setpriv that does not run /bin/true by then is not used
+
+
+@functools.cache
+def usable_setpriv() -> str | None:
+    """The path of a ``setpriv`` that accepts ``--pdeathsig``, or None; logs the choice.
+
+    Run once per process (one ~1 ms spawn): ``setpriv --pdeathsig KILL -- true``."""
+    setpriv = shutil.which("setpriv")
+    reason = "no setpriv on PATH"
+    if setpriv is not None:
+        true = shutil.which("true")
+        probe = [true] if true else [sys.executable, "-S", "-c", ""]
+        try:
+            result = subprocess.run(
+                [setpriv, "--pdeathsig", "KILL", "--", *probe], stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=PROBE_TIMEOUT,
+                close_fds=True,
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            reason = f"{setpriv} cannot run: {exc}"
+        else:
+            if result.returncode == 0:
+                logger.info("worker death signal: %s --pdeathsig KILL", setpriv)
+                return setpriv
+            said = result.stderr.decode(errors="replace").strip().splitlines()
+            reason = (f"{setpriv} rejects --pdeathsig (util-linux < 2.33?): "
+                      f"{said[0] if said else 'exit ' + str(result.returncode)}")
+    logger.info("worker death signal: Python shim (%s)", reason)
+    return None
 
 
 # Fallback where util-linux's setpriv is missing: set PR_SET_PDEATHSIG (1) to SIGKILL, check

@@ -5,6 +5,11 @@ half-stopped group behind. Signals go out first; the tree is looked up after, fr
 ``/proc/PID/task/*/children`` (no scan of every process). Workers stay unreaped (zombies)
 until the sweep is done, so their process group ids cannot be recycled while we signal
 them, and every other process is signalled through a pidfd taken when it was found.
+
+A worker that survives SIGKILL longer than the stop waits (uninterruptible sleep, e.g. a
+GPU driver's teardown) is kept here, unreaped, and reaped by a later stop once it is dead
+(even when a sweep finds it first as an adopted child): through its ``Worker``, so the
+guardian forgets its group first (``spawn.on_reaping``) and its pidfd is closed.
 """
 
 from __future__ import annotations
@@ -18,11 +23,18 @@ from collections.abc import Iterable, Sequence
 import anyio
 
 from supervisor.workers.proctree import children, descendants, parent_of, reap_children
-from supervisor.workers.spawn import Worker
+from supervisor.workers.spawn import Worker, notify_reaping
 
 logger = logging.getLogger(__name__)
 
 KILL_WAIT = 5.0  # seconds to wait for SIGKILLed workers before giving up on them
+
+_lingering: dict[int, Worker] = {}  # pid -> a worker that survived SIGKILL, still unreaped
+
+
+def lingering() -> list[int]:
+    """Pids of workers that survived their stop's SIGKILL and are not reaped yet."""
+    return list(_lingering)
 
 
 class ProcessTree:
@@ -72,9 +84,14 @@ class ProcessTree:
                 await anyio.wait_readable(fd)  # a pidfd is readable once the process exits
 
     def reap_ours(self) -> None:
-        """Collect the zombies of those that were reparented to us."""
+        """Collect the zombies of those that were reparented to us (not the lingering
+        workers among them: their ``Worker`` reaps them)."""
         me = os.getpid()
-        reap_children(pid for pid in self._fds if parent_of(pid) == me)
+        dead = [pid for pid in self._fds
+                if pid not in _lingering and parent_of(pid) == me and _is_dead(pid)]
+        for pid in dead:
+            notify_reaping(pid)
+        reap_children(dead)
 
     def close(self) -> None:
         for fd in self._fds.values():
@@ -90,8 +107,10 @@ async def stop_group(
     kill_now: anyio.Event,
     sweep_adopted: bool,
     exempt: Iterable[int] = (),
+    kill_wait: float = KILL_WAIT,
 ) -> None:
-    """Stop every worker and every descendant; return once all are reaped."""
+    """Stop every worker and every descendant; return once all are reaped (or, for one
+    that survives SIGKILL for ``kill_wait`` seconds, kept for a later stop to reap)."""
     keep = {w.pid for w in workers} | set(exempt)
     tree = ProcessTree()
     with anyio.CancelScope(shield=True):
@@ -105,9 +124,10 @@ async def stop_group(
                 worker.signal_group(signal.SIGKILL)
             _collect(tree, workers, keep, sweep_adopted)  # anything started during the grace
             tree.signal(signal.SIGKILL)
-            await _wait_all_or(workers, KILL_WAIT, None)
-            await tree.wait_dead(KILL_WAIT)
-            _reap(workers)
+            await _wait_all_or(workers, kill_wait, None)
+            await tree.wait_dead(kill_wait)
+            _reap(workers, kill_wait)
+            _reap_lingering()
             tree.reap_ours()
         finally:
             tree.close()
@@ -119,12 +139,32 @@ def _collect(tree: ProcessTree, workers: Sequence[Worker], keep: set[int], adopt
         tree.add_adopted(keep)
 
 
-def _reap(workers: Sequence[Worker]) -> None:
+def _reap(workers: Sequence[Worker], kill_wait: float) -> None:
     for worker in workers:
         if worker.poll_exit() is not None:
             worker.reap()
-        else:  # uninterruptible sleep: SIGKILL is pending until the kernel lets go
-            logger.error("worker pid %d survived SIGKILL for %.0f s", worker.pid, KILL_WAIT)
+        elif not worker.reaped:  # uninterruptible sleep: SIGKILL is pending until it ends
+            logger.error("worker pid %d survived SIGKILL for %.1f s; it is reaped by a "
+                         "later stop", worker.pid, kill_wait)
+            _lingering[worker.pid] = worker
+
+
+def _reap_lingering() -> None:
+    """Reap the lingering workers that have died since (the guardian forgets them first)."""
+    for pid, worker in list(_lingering.items()):
+        if worker.reaped or worker.poll_exit() is not None:
+            worker.reap()
+            del _lingering[pid]
+            logger.info("worker pid %d that survived SIGKILL is reaped", pid)
+
+
+def _is_dead(pid: int) -> bool:
+    """Whether our child ``pid`` has exited (a zombie), without reaping it."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT | os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return info is not None and info.si_pid != 0
 
 
 async def _wait_all_or(
