@@ -21,7 +21,7 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, advisories, build, load_file
+from supervisor.config import DEFAULT_HEALTH_PORT, advisories, build, load_file
 from tests import deps
 from tests.conftest import FAKE_WORKER, REPO, Supervised, supervisor
 from tests.test_service_e2e import _notify_socket, _receive
@@ -145,19 +145,17 @@ def test_a_port_variable_that_is_not_a_number_is_one_line() -> None:
     assert one_line_error(result).endswith("health_port: Expected int, got str")
 
 
-def test_py_spy_asked_for_and_missing_is_a_start_up_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from supervisor.app import resolve_hang_dump
+def test_py_spy_asked_for_and_missing_is_a_start_up_error(tmp_path: Path) -> None:
+    from supervisor.watchdog.escalate import resolve_hang_dump
 
-    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))  # no py-spy beside it
-    settings = build({"training_script": "x.py", "hang_dump": "py-spy"})
-    with pytest.raises(ConfigError, match=r"^hang_dump: py-spy is not installed"):
-        resolve_hang_dump(settings, {"PATH": str(tmp_path)})
+    python = str(tmp_path / "python")  # no py-spy beside it
+    with pytest.raises(ValueError, match=r"^py-spy not found on PATH or in .*hang-dump"):
+        resolve_hang_dump("py-spy", {"PATH": str(tmp_path)}, python)
     fake = tmp_path / "py-spy"
     fake.write_text("#!/bin/sh\n")
     fake.chmod(0o755)
-    assert resolve_hang_dump(settings, {"PATH": str(tmp_path)}).py_spy == str(fake)
+    found = resolve_hang_dump("py-spy", {"PATH": str(tmp_path)}, python).py_spy
+    assert found == str(fake)
 
 
 # ------------------------------------------------------------------ the command line
