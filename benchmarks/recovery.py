@@ -87,13 +87,16 @@ def command(cell: Cell, ranks: int, restarts: int, logs: Path) -> list[str]:
     return [*head, *rdzv, *common]
 
 
+CRASH_AFTER = ["--crash-after", "5"]  # s of training before each crash (the job's default)
+
+
 def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -> int:
     """One launcher run; adds its recoveries to the cell; returns how many it had."""
     root = Path(tempfile.mkdtemp(prefix=f"recovery-{cell.kind}-"))
     out = root / "out"
     out.mkdir()
     argv = [*command(cell, ranks, crashes, root / "logs"), str(JOB), str(out),
-            "--crashes", str(crashes), *(["--kill"] if kill else [])]
+            "--crashes", str(crashes), *CRASH_AFTER, *(["--kill"] if kill else [])]
     env = launcher_env()
     with open(root / "err", "wb") as err:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -193,7 +196,11 @@ def main() -> int:
     ap.add_argument("--torchrun-runs", type=int, default=12)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--only", default="", help="comma-separated launcher names to run")
+    ap.add_argument("--crash-after", type=float, default=5.0,
+                    help="seconds of training before each crash; below a standby's import "
+                         "time (~2.5 s) the crash comes while the standbys still import")
     a = ap.parse_args()
+    CRASH_AFTER[1] = str(a.crash_after)
     results = []
     for ranks in (int(r) for r in a.ranks.split(",")):
         for mode in a.crashes.split(","):
