@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
+import urllib.request
 from pathlib import Path
 
+import anyio
 import pytest
 
 from supervisor.core.envs import PER_ATTEMPT_ENV
@@ -153,6 +156,12 @@ async def test_failed_preload_means_a_cold_start_and_one_warning(tmp_path: Path)
             r"'no_such_module_for_the_test' failed: ModuleNotFoundError")
         os.kill(pid, signal.SIGUSR1)  # the job goes on: the restart is cold
         await sup.out.expect(r"^ready 0 \d+ 1$")
+        found = re.search(r"health endpoint on http://[^:]+:(\d+)", sup.err.text())
+        assert found is not None
+        port = int(found.group(1))
+        metrics = await anyio.to_thread.run_sync(_get, f"http://127.0.0.1:{port}/metrics")
+        assert re.search(r'standby_cold_fallbacks_total\{reason="preload_failed"\} 1\.0',
+                         metrics), metrics
         sup.signal(signal.SIGTERM)
         assert await sup.wait() == 128 + signal.SIGTERM
     assert warm_ranks(logs) == [None, None]
@@ -164,6 +173,11 @@ async def test_preload_is_refused_for_a_bad_module_name(tmp_path: Path) -> None:
     async with supervisor(args) as sup:
         assert await sup.wait() == 2
         await sup.err.expect(r"preload: 'not a module' is not a module name")
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
 
 
 # ---------------------------------------------------------------------- pure checks
@@ -261,8 +275,6 @@ async def test_preload_auto_learns_imports_and_never_preloads_a_rank_reader(
 
 
 async def anyio_wait_file(path: Path, timeout: float = 60.0) -> None:
-    import anyio
-
     with anyio.fail_after(timeout):
         while not path.exists():
             await anyio.sleep(0.01)  # polling a file the worker writes, bounded

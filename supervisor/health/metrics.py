@@ -80,6 +80,15 @@ class Metrics:
         self.http_requests = self._counter(
             "http_requests", "HTTP requests served, by path and status code.", ("path", "code")
         )
+        self.warm_starts = self._counter(
+            "warm_starts", "Workers started in their rank's standby (warm restarts)."
+        )
+        self.cold_fallbacks = self._counter(
+            "standby_cold_fallbacks",
+            "Workers started cold although their rank had a standby, by reason.", ("reason",),
+        )
+        for reason in ("env_changed", "preload_failed", "other"):
+            self.cold_fallbacks.labels(reason)
         self.prepare_failures = self._counter(
             "attempt_prepare_failures",
             "Attempts the supervisor could not prepare (its own failure: full disk...).",
@@ -131,7 +140,13 @@ class Metrics:
         self._time_rendezvous(old, new, event)
 
     def on_launch(self, attempt: object) -> None:
-        """Controller ``Observer`` hook; gauges come from the snapshot instead."""
+        """Count warm starts and standbys that could not be used (controller ``Observer``)."""
+        for worker in getattr(attempt, "workers", ()):
+            extra = getattr(worker, "extra", {})
+            if extra.get("warm"):
+                self.warm_starts.inc()
+            elif "cold_reason" in extra:
+                self.cold_fallbacks.labels(str(extra["cold_reason"])).inc()
 
     def on_stopped(self, attempt: object) -> None:
         """Controller ``Observer`` hook; gauges come from the snapshot instead."""

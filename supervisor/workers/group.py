@@ -88,6 +88,7 @@ class _Wanted:
     rank_dir: Path
     pid: int  # the rank's current worker (its imports are what ``auto`` preloads)
     warm: bool
+    exclude: frozenset[str]  # packages ``auto`` must leave out (read a per-attempt var)
 
 
 @dataclass
@@ -106,7 +107,6 @@ class StandbyStats:
     used: int = 0
     cold_env_changed: int = 0
     cold_preload_failed: int = 0
-    cold_not_ready: int = 0
     cold_other: int = 0
 
 
@@ -152,6 +152,9 @@ class WorkerGroup:
         self.auto_names: dict[int, list[str]] = {}  # local rank -> its last worker's imports
         self.auto_excluded: set[str] = set()  # packages that read a per-attempt variable
         self._taint_retries: dict[int, int] = {}
+        self._cold: dict[int, str] = {}  # local rank -> why its standby went unused
+        self._pending_cold: dict[int, str] = {}  # the same, learned before the launch
+        self._last_cold_kind = "other"
         self._python = self.environ.get("PYTHON_EXEC", sys.executable)
         self.dir_base = _next_attempt_index(log_root / run_id)
         self._spawning: anyio.Event | None = None  # set when standbys being started are in
@@ -183,10 +186,14 @@ class WorkerGroup:
         )
         specs = self._prepare(attempt)  # raises AttemptPrepError: nothing was started
         self.attempt = attempt
+        self._cold, self._pending_cold = self._pending_cold, {}
         failed_to_start: list[tuple[int, str]] = []
         for spec in specs:
             try:
-                attempt.workers.append(self._start(spec))
+                worker = self._start(spec)
+                if spec.local_rank in self._cold:  # had a standby that could not take it
+                    worker.extra["cold_reason"] = self._cold[spec.local_rank]
+                attempt.workers.append(worker)
             except OSError as exc:
                 logger.error("cannot start local rank %d: %s", spec.local_rank, exc)
                 failed_to_start.append((spec.local_rank, str(exc)))
@@ -263,7 +270,8 @@ class WorkerGroup:
             env = standby_env(self._rank_env(attempt, rank))
             wanted.append(_Wanted(rank, env, worker.spec.cwd, worker.spec.cpus,
                                   attempt.directory / str(rank), worker.pid,
-                                  bool(worker.extra.get("warm"))))
+                                  bool(worker.extra.get("warm")),
+                                  frozenset(self.auto_excluded)))
         done = anyio.Event()
         if wanted:
             self._spawning = done
@@ -312,6 +320,7 @@ class WorkerGroup:
             logger.warning("standby for local rank %d discarded, the rank will start cold: %s",
                            standby.local_rank, failure)
             self.stats.cold_preload_failed += 1
+            self._pending_cold[standby.local_rank] = "preload_failed"
         else:
             logger.warning("--preload auto: %s; package %r is never preloaded in this run",
                            failure, tainted)
@@ -358,7 +367,7 @@ class WorkerGroup:
         if not names:
             return None
         try:
-            return autopreload.write_spec(names, self.auto_excluded)
+            return autopreload.write_spec(names, set(want.exclude))
         except OSError as exc:
             logger.warning("cannot write the preload list of local rank %d: %s", want.rank, exc)
             return None
@@ -385,6 +394,7 @@ class WorkerGroup:
         else:
             logger.warning("local rank %d starts cold: %s", spec.local_rank, reason)
         if worker is None:
+            self._cold[spec.local_rank] = self._last_cold_kind
             standby.discard()
             if self.guardian is not None:
                 self.guardian.forget(standby.pid)
@@ -419,16 +429,19 @@ class WorkerGroup:
 
     def _cold_reason(self, standby: Standby, spec: WorkerSpec) -> str | None:
         """Why the standby cannot take this worker (a cold start follows), or None."""
+        self._last_cold_kind = "other"
         if not Standby.accepts(standby.prefix, spec.argv):
             self.stats.cold_other += 1
             return "its command cannot run in a standby"
         changed = env_mismatch(standby.env, spec.env)
         if changed is not None:
             self.stats.cold_env_changed += 1
+            self._last_cold_kind = "env_changed"
             return f"environment variable {changed} changed since its standby started"
         failure = standby.preload_failure()
         if failure is not None:
             self.stats.cold_preload_failed += 1
+            self._last_cold_kind = "preload_failed"
             return failure
         return None
 
