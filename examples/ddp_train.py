@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+import traceback
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -143,7 +144,16 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except Exception:
+        # the same traceback and exit code 1 as Python's own handler (@record has written
+        # the error file), without the C++ static destructors: gloo can abort a process
+        # that leaves with its connections still open (see below), which would turn this
+        # failure into SIGABRT
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
     # torch 2.13's gloo can abort a finished process at exit ("terminate called without an
     # active exception": a C++ thread still joinable while static destructors run), about
     # 1 run in 20 on a loaded machine, under torchrun as under elastic-supervisor. All work

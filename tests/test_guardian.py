@@ -56,6 +56,7 @@ def test_cookie_is_not_on_the_guardians_command_line() -> None:
         with open(f"/proc/{guardian.pid}/cmdline", "rb") as f:
             cmdline = f.read()
         assert cookie.encode() not in cmdline
+        assert guardian._proc.poll() is None, "the guardian exited at once"
         with open(f"/proc/{guardian.pid}/environ", "rb") as f:
             environ = f.read().split(b"\0")
         assert f"ELASTIC_SUPERVISOR_GUARDIAN_MARK={COOKIE_ENV}={cookie}".encode() in environ
