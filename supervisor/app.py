@@ -83,15 +83,29 @@ def resolve_run_id(settings: Settings) -> str:
     return settings.rdzv_id
 
 
-def make_rendezvous(settings: Settings, run_id: str) -> Rendezvous:
-    """The configured backend; bad endpoints or conf values are one-line ConfigErrors."""
-    if settings.rdzv_backend == "static":
+def make_rendezvous(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
+    """The configured backend; bad endpoints or conf values are one-line ConfigErrors.
+    ``etcd`` and ``etcd-v2`` both use our etcd v3 backend; ``c10d`` may host an etcd whose
+    data lives in ``runtime_dir`` (``--standalone`` keeps torchrun's meaning: one node)."""
+    backend = settings.rdzv_backend
+    if backend == "static" or (backend == "c10d" and settings.standalone):
         return StaticRendezvous(
             run_id, settings.max_nodes, settings.node_rank, settings.master_addr,
             settings.master_port,
         )
     from supervisor.rendezvous.etcd import EtcdRendezvous, RendezvousConfigError, make_config
 
+    if backend == "c10d":
+        from supervisor.rendezvous.c10d import make_c10d_rendezvous
+
+        try:
+            return make_c10d_rendezvous(
+                endpoint=settings.rdzv_endpoint, run_id=run_id, nnodes=settings.nnodes,
+                rdzv_conf=settings.rdzv_conf, local_addr=settings.local_addr,
+                runtime_dir=runtime_dir,
+            )
+        except RendezvousConfigError as exc:
+            raise ConfigError(str(exc)) from None
     try:
         config = make_config(
             endpoint=settings.rdzv_endpoint, run_id=run_id, nnodes=settings.nnodes,
@@ -103,12 +117,12 @@ def make_rendezvous(settings: Settings, run_id: str) -> Rendezvous:
 
 
 def conf_barrier_timeout(settings: Settings) -> Settings:
-    """``--rdzv-conf exit_barrier_timeout=S`` (a documented etcd key) overrides the flag."""
-    if settings.rdzv_backend != "etcd":
+    """``--rdzv-conf exit_barrier_timeout=S`` (a documented etcd key) overrides the flag.
+    Call after ``make_rendezvous``, which validated the conf."""
+    if settings.rdzv_backend == "static":
         return settings
-    from supervisor.rendezvous.etcd import parse_rdzv_conf
-
-    value = parse_rdzv_conf(settings.rdzv_conf).get("exit_barrier_timeout")
+    pairs = (item.partition("=") for item in settings.rdzv_conf.split(","))
+    value = {key.strip(): raw.strip() for key, _, raw in pairs}.get("exit_barrier_timeout")
     if value is None:
         return settings
     return msgspec.structs.replace(settings, exit_barrier_timeout=float(value))
@@ -163,19 +177,18 @@ async def supervise(
     run_id = resolve_run_id(settings)
     log_root = _log_root(settings)
     events = EventLog(settings.event_log or log_root / run_id / "events.jsonl", run_id)
-    rendezvous = make_rendezvous(settings, run_id)
-    settings = conf_barrier_timeout(settings)
+    runtime = RuntimeDir.create(environ)  # before the rendezvous: a c10d host's etcd data
     try:
-        await rendezvous.connect()
-    except RendezvousError as exc:
-        with anyio.CancelScope(shield=True):
-            await rendezvous.aclose()  # its HTTP session, or asyncio logs "Unclosed client session"
-        raise ConfigError(f"rdzv_endpoint: {exc}") from None
+        rendezvous = make_rendezvous(settings, run_id, runtime.path)
+        settings = conf_barrier_timeout(settings)
+        await connect_rendezvous(rendezvous)
+    except BaseException:
+        runtime.cleanup()
+        raise
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
     reporter = StatusReporter(notifier)
     lag = LoopLag()
     progress = ProgressTable()
-    runtime = RuntimeDir.create(environ)
     timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
     if timer_file is not None:
         try:
@@ -193,7 +206,8 @@ async def supervise(
         settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
         output=output, environ=worker_base_env(environ, settings.local_world_size, cookie),
         timer_file=str(timer_file) if timer_file else None, guardian=guardian,
-        exempt_pids=[guardian.pid], sweep_adopted=not embedded, command=command, cpus=cpus,
+        exempt_pids=[guardian.pid, *rendezvous_children(rendezvous)],
+        sweep_adopted=not embedded, command=command, cpus=cpus,
         progress=progress, observers=observers,
         stop_guard=lambda: extending_timeout(notifier),
     )
@@ -235,6 +249,23 @@ async def supervise(
         notifier.close()
         runtime.cleanup()
     return code
+
+
+async def connect_rendezvous(rendezvous: Rendezvous) -> None:
+    """Reach the rendezvous (a c10d host starts its etcd here); failure is a ConfigError."""
+    try:
+        await rendezvous.connect()
+    except RendezvousError as exc:
+        with anyio.CancelScope(shield=True):
+            await rendezvous.aclose()  # its HTTP session, or asyncio logs "Unclosed client session"
+        raise ConfigError(f"rdzv_endpoint: {exc}") from None
+
+
+def rendezvous_children(rendezvous: Rendezvous) -> list[int]:
+    """Our children that belong to the rendezvous (a c10d host's etcd): never swept as
+    strays when a worker group stops."""
+    pid = getattr(rendezvous, "server_pid", None)
+    return [pid] if isinstance(pid, int) else []
 
 
 async def _close_rendezvous(rendezvous: Rendezvous, state: sm.State) -> None:
