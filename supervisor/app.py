@@ -88,7 +88,7 @@ def make_rendezvous(settings: Settings, run_id: str, runtime_dir: Path) -> Rende
     ``etcd`` and ``etcd-v2`` both use our etcd v3 backend; ``c10d`` may host an etcd whose
     data lives in ``runtime_dir`` (``--standalone`` keeps torchrun's meaning: one node)."""
     backend = settings.rdzv_backend
-    if backend == "static" or (backend == "c10d" and settings.standalone):
+    if backend == "static":
         return StaticRendezvous(
             run_id, settings.max_nodes, settings.node_rank, settings.master_addr,
             settings.master_port,
@@ -102,7 +102,8 @@ def make_rendezvous(settings: Settings, run_id: str, runtime_dir: Path) -> Rende
             return make_c10d_rendezvous(
                 endpoint=settings.rdzv_endpoint, run_id=run_id, nnodes=settings.nnodes,
                 rdzv_conf=settings.rdzv_conf, local_addr=settings.local_addr,
-                runtime_dir=runtime_dir,
+                runtime_dir=runtime_dir, standalone=settings.standalone,
+                master_port=settings.master_port,
             )
         except RendezvousConfigError as exc:
             raise ConfigError(str(exc)) from None

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-import shlex
-from pathlib import Path
 
 import pytest
 
 from supervisor.cli import _run_parser, parse_run_args
+from tests.torchrun_lines import command_lines
 
 if os.environ.get("CI"):
     import torch  # noqa: F401  (.ci/run installs torch: a missing one must fail, not skip)
@@ -16,7 +15,6 @@ else:
     pytest.importorskip("torch", reason="pip install torch==2.13.0 to compare with torchrun")
 pytestmark = pytest.mark.torch
 
-LINES = Path(__file__).parent / "data" / "torchrun_command_lines.txt"
 # Accepted by the parser but refused at validation, with a one-line reason (docs/torchrun-compat.md)
 REFUSED = {"--logs-specs", "--logs_specs"}
 
@@ -31,11 +29,6 @@ def test_every_torchrun_option_string_is_ours() -> None:
     ours = {s for a in _run_parser()._actions for s in a.option_strings}
     theirs = {s for a in torchrun_parser()._actions for s in a.option_strings}
     assert theirs - ours == set()
-
-
-def command_lines() -> list[list[str]]:
-    lines = [ln for ln in LINES.read_text().splitlines() if ln and not ln.startswith("#")]
-    return [shlex.split(ln) for ln in lines]
 
 
 @pytest.mark.parametrize("argv", command_lines(), ids=lambda a: " ".join(a)[:60])

@@ -60,6 +60,7 @@ from supervisor.rendezvous.etcd import (
     make_config,
 )
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
+from supervisor.rendezvous.static import StaticRendezvous
 
 logger = logging.getLogger(__name__)
 
@@ -120,8 +121,8 @@ def parse_endpoint(text: str) -> tuple[str, int]:
         host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     port = DEFAULT_PORT
     if rest is not None:
-        _check(rest.isascii() and rest.isdigit() and 0 < int(rest) < 65536,
-               f"--rdzv-endpoint: the port of {text!r} must be 1..65535")
+        _check(rest.isascii() and rest.isdigit() and int(rest) < 65536,
+               f"--rdzv-endpoint: the port of {text!r} must be 0..65535")
         port = int(rest)
     _check(bool(host) and all(c.isalnum() or c in ".:-_" for c in host),
            f"--rdzv-endpoint: bad host in {text!r}")
@@ -169,6 +170,8 @@ def make_c10d_config(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str 
     without either it is the lease TTL, so it is always finite."""
     host, port = parse_endpoint(endpoint)
     own, passed = _split_conf(rdzv_conf)
+    _check(port != 0 or nnodes.strip() in ("1", "1:1"),
+           f"--rdzv-endpoint: port 0 ({endpoint!r}) is for one node only, got --nnodes {nnodes}")
     conf = make_config(endpoint=f"{_bracket(host)}:{port}", run_id=run_id, nnodes=nnodes,
                        rdzv_conf=passed, local_addr=local_addr)
     limit = conf.outage_limit
@@ -506,9 +509,18 @@ class C10dRendezvous:
 
 
 def make_c10d_rendezvous(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str,
-                         local_addr: str | None, runtime_dir: Path) -> C10dRendezvous:
-    """The c10d backend from torchrun's flags; raises ``RendezvousConfigError``."""
+                         local_addr: str | None, runtime_dir: Path, standalone: bool = False,
+                         master_port: int | None = None) -> C10dRendezvous | StaticRendezvous:
+    """The c10d backend from torchrun's flags; raises ``RendezvousConfigError``.
+
+    ``--standalone`` or port 0 (torchrun's "stacked single-node" line,
+    ``--rdzv-endpoint=localhost:0``) is one node with nothing to host: the static backend,
+    which picks a fresh master port for every attempt."""
+    if standalone:
+        return StaticRendezvous(run_id, 1, 0, "127.0.0.1", master_port)
     config = make_c10d_config(endpoint=endpoint, run_id=run_id, nnodes=nnodes,
                               rdzv_conf=rdzv_conf, local_addr=local_addr)
+    if config.port == 0:
+        return StaticRendezvous(run_id, 1, 0, "127.0.0.1", master_port)
     return C10dRendezvous(config, runtime_dir)
 
