@@ -231,8 +231,10 @@ os._exit(0)
 """
 
 
-async def run_ddp_job(root: Path, script: Path, extra: Sequence[str]) -> tuple[list[int], str]:
-    """Two c10d supervisors, one gloo rank each; (exit codes, rank 0's final loss line)."""
+async def run_ddp_job(root: Path, script: Path,
+                      extra: Sequence[str]) -> tuple[list[int], int, str]:
+    """Two c10d supervisors, one gloo rank each; (exit codes, job-wide failure restarts,
+    rank 0's final loss)."""
     async with c10d_job(root) as job:
         line = ["--nnodes=2", "--nproc-per-node=1", f"--rdzv-id={job.run_id}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{job.port}"]
@@ -242,8 +244,9 @@ async def run_ddp_job(root: Path, script: Path, extra: Sequence[str]) -> tuple[l
                                  script=program) for _ in range(2)]
         codes = [await node.sup.wait(timeout=150) for node in nodes]
         finals = [ln for n in nodes for ln in n.sup.out.lines if "final loss" in ln]
+        restarts = sum(len(n.events("restart_scheduled")) for n in nodes)
     assert len(finals) == 1, finals
-    return codes, finals[0].split("final loss", 1)[1].strip()
+    return codes, restarts, finals[0].split("final loss", 1)[1].strip()
 
 
 @etcd
@@ -254,10 +257,11 @@ async def test_gloo_job_across_two_c10d_nodes_survives_an_exception_with_the_sam
     pytest.importorskip("torch", reason="pip install torch to run the gloo job")
     script = tmp_path / "ddp_raise_once.py"
     script.write_text(DDP_RAISE_ONCE.format(examples=str(REPO / "examples")))
-    plain_codes, plain = await run_ddp_job(tmp_path / "plain", script, [])
-    codes, faulty = await run_ddp_job(tmp_path / "faulty", script,
-                                      ["--raise-at", "50", "--fault-rank", "1"])
+    plain_codes, plain_restarts, plain = await run_ddp_job(tmp_path / "plain", script, [])
+    codes, restarts, faulty = await run_ddp_job(tmp_path / "faulty", script,
+                                                ["--raise-at", "50", "--fault-rank", "1"])
     assert plain_codes == [0, 0] and codes == [0, 0]
+    assert (plain_restarts, restarts) == (0, 1)  # the exception did happen, once
     assert faulty == plain
 
 

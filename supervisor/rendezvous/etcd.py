@@ -325,7 +325,8 @@ class _LeaseKeeper:
                 if time.monotonic() - last_ok >= limit:
                     what = "the lease TTL" if self.limit is None else "outage_limit"
                     return self._mark_lost(
-                        f"etcd unreachable for longer than {what} ({limit:g}s): {exc}")
+                        f"etcd unreachable for longer than {what} ({limit:g}s): "
+                        f"{exc or 'no answer'}")
                 logger.warning("etcd lease keepalive failed, retrying: %s", exc)
                 interval = min(self.ttl / 10, 0.5)
                 continue
