@@ -653,7 +653,8 @@ def test_unreachable_endpoints_exit_2_with_one_line(tmp_path: Path) -> None:
                   "--log-dir", str(tmp_path))
     assert result.returncode == 2
     assert time.monotonic() - started < 10  # retried until join_timeout, then gave up
-    lines = result.stderr.strip().splitlines()
+    # besides the error, one log line says that it waits (a node may wait minutes)
+    lines = [ln for ln in result.stderr.strip().splitlines() if " INFO " not in ln]
     assert len(lines) == 1, result.stderr
     assert lines[0].startswith("elastic-supervisor: config error: rdzv_endpoint:")
     assert all(d in lines[0] for d in dead)

@@ -326,7 +326,7 @@ class _LeaseKeeper:
                     what = "the lease TTL" if self.limit is None else "outage_limit"
                     return self._mark_lost(
                         f"etcd unreachable for longer than {what} ({limit:g}s): "
-                        f"{exc or 'no answer'}")
+                        f"{str(exc) or 'no answer'}")
                 logger.warning("etcd lease keepalive failed, retrying: %s", exc)
                 interval = min(self.ttl / 10, 0.5)
                 continue
@@ -388,6 +388,7 @@ class EtcdRendezvous:
         if self._lease.id:
             return
         deadline = time.monotonic() + self.config.join_timeout
+        last = "no answer"
         with _etcd_errors(f"taking a lease from {', '.join(self.config.endpoints)}"):
             while True:
                 try:
@@ -396,9 +397,13 @@ class EtcdRendezvous:
                     return
                 except (EtcdUnavailable, TimeoutError) as exc:
                     if time.monotonic() >= deadline:
-                        message = f"unreachable for {self.config.join_timeout:g}s: {exc}"
+                        why = str(exc) or last
+                        message = f"unreachable for {self.config.join_timeout:g}s: {why}"
                         raise EtcdUnavailable(message) from exc
-                    logger.info("etcd not reachable yet, retrying until join_timeout: %s", exc)
+                    if last == "no answer":  # once: a node may wait minutes for the service
+                        logger.info("etcd not reachable yet, retrying until join_timeout "
+                                    "(%gs): %s", self.config.join_timeout, exc)
+                    last = str(exc) or last
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Connect (if not yet), report ready, then keep the lease alive until ``aclose()``
