@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -130,10 +131,10 @@ async def groups(nodes: Sequence[Node], world_size: int,
 
 
 @etcd
-async def test_two_nodes_on_torchruns_dash_line_with_localhost_form_one_group(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize("host", ["localhost", socket.gethostname()])
+async def test_two_nodes_on_torchruns_dash_line_form_one_group(tmp_path: Path, host: str) -> None:
     async with c10d_job(tmp_path) as job:
-        line = dash_line(job.run_id, "2", f"localhost:{job.port}")
+        line = dash_line(job.run_id, "2", f"{host}:{job.port}")
         nodes = [await job.start(line) for _ in range(2)]
         assert_one_group(await groups(nodes, 2 * LOCAL), 2)
         assert len(job.hosts()) == 1
@@ -358,8 +359,6 @@ def test_port_0_is_for_one_node_only() -> None:
 
 
 def test_this_machine_is_recognised_as_torchrun_does() -> None:
-    import socket
-
     assert matches_this_machine("localhost")
     assert matches_this_machine("127.0.0.1") and matches_this_machine("::1")
     assert matches_this_machine(socket.gethostname())
@@ -393,10 +392,23 @@ async def test_every_documented_torchrun_command_line_is_accepted(
         await rendezvous.aclose()
 
 
+def test_a_host_name_resolving_to_loopback_is_served_on_every_interface() -> None:
+    import ipaddress
+
+    from supervisor.rendezvous.c10d import listen_ip
+
+    assert listen_ip("localhost") == "127.0.0.1"
+    assert listen_ip("127.0.0.1") == "127.0.0.1"
+    name = socket.gethostname()
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(name)).is_loopback
+    except OSError:
+        pytest.skip("this machine's name does not resolve")
+    assert listen_ip(name) == ("0.0.0.0" if loopback else socket.gethostbyname(name))
+
+
 def test_endpoints_of_this_machine_other_than_loopback_would_host() -> None:
     """The host decision for an address of this machine (not only loopback)."""
-    import socket
-
     try:
         ip = socket.gethostbyname(socket.gethostname())
     except OSError:

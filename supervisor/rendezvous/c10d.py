@@ -217,13 +217,19 @@ def _addrinfo(host: str) -> list[tuple[str, str]]:
 
 
 def listen_ip(host: str) -> str:
-    """The IP address etcd listens on: what ``host`` resolves to, IPv4 first."""
+    """The IP address etcd listens on: what ``host`` resolves to, IPv4 first.
+
+    A name other than ``localhost`` that resolves only to loopback here is the machine's
+    own name mapped to 127.0.x.1 in /etc/hosts (Debian does this), while the other nodes
+    resolve it to a routable address: then every interface, as torchrun's store listens."""
     try:
         return str(ipaddress.ip_address(host))
     except ValueError:
         pass
     found = [ip for _, ip in _addrinfo(host)]
     _check(bool(found), f"--rdzv-endpoint: cannot resolve {host!r}")
+    if host != "localhost" and all(ipaddress.ip_address(ip).is_loopback for ip in found):
+        return "0.0.0.0"
     return next((ip for ip in found if ":" not in ip), found[0])
 
 
