@@ -414,3 +414,26 @@ def test_endpoints_of_this_machine_other_than_loopback_would_host() -> None:
     except OSError:
         pytest.skip("this machine's name does not resolve")
     assert matches_this_machine(ip)
+
+
+def test_an_etcd_that_cannot_start_is_one_line_exit_2(tmp_path: Path) -> None:
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "etcd").write_text("#!/bin/sh\necho 'fatal: no space left on device' >&2\nexit 1\n")
+    (fake / "etcd").chmod(0o755)
+    line = dash_line("job", "2", f"127.0.0.1:{free_port()}")
+    result = run_line([*line, "--health-port", "0", "--log-dir", str(tmp_path), FAKE_WORKER],
+                      env={"PATH": str(fake)})
+    assert result.returncode == 2
+    errors = [ln for ln in result.stderr.strip().splitlines() if " INFO " not in ln]
+    assert len(errors) == 1, result.stderr
+    assert "exited: fatal: no space left on device" in errors[0]
+
+
+def test_is_host_with_a_name_that_does_not_resolve_is_one_line_exit_2(tmp_path: Path) -> None:
+    line = dash_line("job", "2", "no-such-host.invalid:29400")
+    result = run_line([*line, "--rdzv-conf", "is_host=1", "--health-port", "0",
+                       "--log-dir", str(tmp_path), FAKE_WORKER])
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot resolve 'no-such-host.invalid'" in lines[0], result.stderr

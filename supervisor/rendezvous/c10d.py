@@ -394,7 +394,7 @@ class C10dRendezvous:
             wanted = await anyio.to_thread.run_sync(matches_this_machine, cfg.host)
         if not wanted:
             return False
-        ip = await anyio.to_thread.run_sync(listen_ip, cfg.host)
+        ip = await self._listen_ip()
         if cfg.is_host is None and not port_is_free(ip, cfg.port):
             logger.info("c10d: %s is taken: another supervisor hosts, joining it as a client",
                         cfg.endpoint)
@@ -407,16 +407,20 @@ class C10dRendezvous:
         """Start the etcd child; join as a client if another process bound the port first."""
         assert self.etcd_binary is not None
         cfg = self.config
-        ip = await anyio.to_thread.run_sync(listen_ip, cfg.host)
+        ip = await self._listen_ip()
         server = HostedEtcd(self.etcd_binary, cfg, self.runtime_dir)
+        try:
+            server.start(ip)
+        except OSError as exc:
+            raise RendezvousError(f"c10d: cannot start {self.etcd_binary}: {exc}") from None
         self.server = server
-        server.start(ip)
         try:
             healthy = await server.wait_healthy()
         except TimeoutError:
+            reason = server.failure()
             await self._drop_server()
             raise RendezvousError(f"c10d: the etcd for {cfg.endpoint} was not healthy within "
-                                  f"{STARTUP_TIMEOUT:g}s: {server.failure()}") from None
+                                  f"{STARTUP_TIMEOUT:g}s: {reason}") from None
         if healthy:
             logger.info("c10d: this node hosts the rendezvous at %s", cfg.endpoint)
             return
@@ -427,6 +431,12 @@ class C10dRendezvous:
                         cfg.endpoint)
             return
         raise RendezvousError(f"c10d: the etcd for {cfg.endpoint} exited: {reason}")
+
+    async def _listen_ip(self) -> str:
+        try:
+            return await anyio.to_thread.run_sync(listen_ip, self.config.host)
+        except RendezvousConfigError as exc:
+            raise RendezvousError(str(exc)) from None
 
     async def _drop_server(self) -> None:
         if self.server is not None:
