@@ -373,6 +373,7 @@ class C10dRendezvous:
         self.server: HostedEtcd | None = None
         self.inner = EtcdRendezvous(config.etcd)
         self._job_over = False  # this node saw the job end for everyone: linger as host
+        self._left = False
 
     @property
     def server_pid(self) -> int | None:
@@ -498,11 +499,19 @@ class C10dRendezvous:
             await self.inner.fail_job(message)
 
     async def leave(self) -> None:
-        await self.inner.leave()
+        """Revoke this node's lease; at once if the host is gone (nothing to tell), rather
+        than retrying for ``request_timeout`` as against a cluster that may come back."""
+        if self._left:
+            return
+        self._left = True
+        gone = self.server is None and not await self._host_answers()
+        with anyio.move_on_after(PROBE_TIMEOUT if gone else math.inf):
+            await self.inner.leave()
 
     async def aclose(self) -> None:
         """Close the etcd rendezvous; as host, give the other nodes up to ``close_timeout``
         to see the job's end before the server goes (only when the job did end)."""
+        await self.leave()
         await self.inner.aclose()
         if self.server is None:
             return
