@@ -75,6 +75,8 @@ def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None)
     except ConfigError as exc:
         print(f"elastic-supervisor: config error: {exc}", file=sys.stderr)
         return 2
+    except StoppedBeforeStart as exc:
+        return 128 + exc.signum
 
 
 def resolve_run_id(settings: Settings) -> str:
@@ -182,7 +184,7 @@ async def supervise(
     try:
         rendezvous = make_rendezvous(settings, run_id, runtime.path)
         settings = conf_barrier_timeout(settings)
-        await connect_rendezvous(rendezvous)
+        await connect_rendezvous(rendezvous, handle_signals=not embedded)
     except BaseException:
         runtime.cleanup()
         raise
@@ -252,14 +254,47 @@ async def supervise(
     return code
 
 
-async def connect_rendezvous(rendezvous: Rendezvous) -> None:
-    """Reach the rendezvous (a c10d host starts its etcd here); failure is a ConfigError."""
-    try:
-        await rendezvous.connect()
-    except RendezvousError as exc:
-        with anyio.CancelScope(shield=True):
-            await rendezvous.aclose()  # its HTTP session, or asyncio logs "Unclosed client session"
-        raise ConfigError(f"rdzv_endpoint: {exc}") from None
+class StoppedBeforeStart(Exception):
+    """A stop signal arrived while the rendezvous was being reached: exit 128+N."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+async def connect_rendezvous(rendezvous: Rendezvous, *, handle_signals: bool = False) -> None:
+    """Reach the rendezvous (a c10d host starts its etcd here); failure is a ConfigError.
+    This may wait until ``join_timeout`` for a service that is not up yet, so a stop
+    signal meanwhile ends the run cleanly (``StoppedBeforeStart``)."""
+    failure: RendezvousError | None = None
+    received: list[int] = []
+    async with anyio.create_task_group() as tg:
+        if handle_signals:
+            await tg.start(_cancel_on_stop_signal, tg.cancel_scope, received)
+        try:
+            await rendezvous.connect()
+        except RendezvousError as exc:
+            failure = exc
+        tg.cancel_scope.cancel()
+    if failure is None and not received:
+        return
+    with anyio.CancelScope(shield=True):
+        await rendezvous.aclose()  # its HTTP session, or asyncio logs "Unclosed client session"
+    if failure is not None:
+        raise ConfigError(f"rdzv_endpoint: {failure}") from None
+    logger.info("stopped by %s while reaching the rendezvous", signal.Signals(received[0]).name)
+    raise StoppedBeforeStart(received[0])
+
+
+async def _cancel_on_stop_signal(
+    scope: anyio.CancelScope, received: list[int], *, task_status: TaskStatus[None]
+) -> None:
+    with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        task_status.started()
+        async for signum in signals:
+            received.append(signum)
+            scope.cancel()
+            return
 
 
 def rendezvous_children(rendezvous: Rendezvous) -> list[int]:

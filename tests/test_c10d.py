@@ -437,3 +437,16 @@ def test_is_host_with_a_name_that_does_not_resolve_is_one_line_exit_2(tmp_path: 
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot resolve 'no-such-host.invalid'" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_a_stop_signal_while_waiting_for_the_host_exits_cleanly(
+        tmp_path: Path, signum: int) -> None:
+    line = dash_line("job", "2", f"localhost:{free_port()}")
+    args = [*line, "--rdzv-conf", "is_host=0,read_timeout=1", "--health-port", "0",
+            "--log-dir", str(tmp_path), FAKE_WORKER]
+    async with supervisor(args) as sup:
+        await sup.err.expect(r"etcd not reachable yet, retrying until join_timeout")
+        sup.signal(signum)
+        assert await sup.wait(timeout=15) == 128 + signum
+    assert "Traceback" not in sup.err.text() and "Unclosed" not in sup.err.text()

@@ -385,7 +385,7 @@ class C10dRendezvous:
         ``join_timeout`` while the host's etcd is not up yet)."""
         if self.server is None and await self._should_host():
             await self._host()
-        async with self._naming_the_host():
+        async with self._naming_the_host("could not reach"):
             await self.inner.connect()
 
     async def _should_host(self) -> bool:
@@ -445,7 +445,7 @@ class C10dRendezvous:
             self.server = None
 
     @asynccontextmanager
-    async def _naming_the_host(self) -> AsyncIterator[None]:
+    async def _naming_the_host(self, what: str = "lost") -> AsyncIterator[None]:
         """Re-raise a rendezvous error as the host's loss when nothing answers there."""
         try:
             yield
@@ -456,7 +456,7 @@ class C10dRendezvous:
                 raise
             where = "this node's" if self.server is not None else "the"
             raise RendezvousError(
-                f"lost {where} c10d rendezvous host {self.config.endpoint} (nothing answers "
+                f"{what} {where} c10d rendezvous host {self.config.endpoint} (nothing answers "
                 f"there; outage_limit {self.config.etcd.outage_limit:g}s): {exc}") from exc
 
     async def _host_answers(self) -> bool:
