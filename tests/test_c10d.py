@@ -241,7 +241,7 @@ async def run_ddp_job(root: Path, script: Path,
                 "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{job.port}"]
         program = [str(script), "--steps", "120", "--checkpoint-every", "20",
                    "--checkpoint-dir", str(root / "ckpt"), *extra]
-        nodes = [await job.start(line, flags=["--max-restarts", "1", "--no-warm-restart"],
+        nodes = [await job.start(line, flags=["--max-restarts", "1"],
                                  script=program) for _ in range(2)]
         codes = [await node.sup.wait(timeout=150) for node in nodes]
         finals = [ln for n in nodes for ln in n.sup.out.lines if "final loss" in ln]
