@@ -1,9 +1,16 @@
-"""Multi-node rendezvous on one machine: elastic-supervisor (etcd) vs torchrun (c10d).
+"""Multi-node rendezvous on one machine: elastic-supervisor (etcd or c10d) vs torchrun (c10d).
 
     python benchmarks/rendezvous_bench.py [--sizes 2,4,8,16] [--reps 3] [--quick]
                                           [--only formation|scale_up|node_loss]
                                           [--lease-ttl 2] [--scale-window 20]
                                           [--loss-window 10] [--no-torchrun] [--json FILE]
+                                          [--ours-backend etcd|c10d]
+
+``--ours-backend c10d`` runs ours with exactly torchrun's command line (``--rdzv-backend
+c10d --rdzv-endpoint 127.0.0.1:PORT --rdzv-conf last_call_timeout=1``): no etcd is started
+beforehand, the first of our agents to bind the port hosts a single-member etcd as its
+child, and "spawn -> all up" includes starting it. Its default scenarios are formation and
+scale-up (``--lease-ttl`` does not apply: the command line is torchrun's).
 
 Every agent is a real launcher process with its own log dir and one worker
 (``--nproc-per-node 1``); ours talk to one local etcd (fast raft timings), torchrun's to
@@ -221,9 +228,13 @@ class Agent:
         return self.torch_marks("new nodes from group_rank")
 
     def listens_on(self, port: int) -> bool:
-        with contextlib.suppress(psutil.Error):
-            return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
-                       for c in psutil.Process(self.proc.pid).net_connections("tcp"))
+        """The agent (torchrun's store) or a child of it (our c10d etcd) listens on port."""
+        self.remember()
+        for proc in [psutil.Process(self.proc.pid), *self.seen.values()]:
+            with contextlib.suppress(psutil.Error):
+                if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                       for c in proc.net_connections("tcp")):
+                    return True
         return False
 
     def remember(self) -> None:
@@ -275,6 +286,7 @@ class Fleet:
     mode: str  # worker: "exit" or "hang"
     etcd: Etcd | None
     lease_ttl: int
+    backend: str = "etcd"  # ours: etcd (a local etcd started first) or c10d (torchrun's line)
     run_id: str = field(default_factory=lambda: f"bench-{os.urandom(4).hex()}")
     agents: list[Agent] = field(default_factory=list)
     port: int = field(default_factory=free_port)
@@ -283,18 +295,20 @@ class Fleet:
         common = ["--rdzv-id", self.run_id, "--nnodes", self.nnodes, "--nproc-per-node", "1",
                   "--log-dir", str(self.root / f"a{index}" / "logs")]
         worker = [str(self.root / "worker.py"), self.mode]
+        c10d = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+                "--rdzv-conf", f"last_call_timeout={LAST_CALL}"]
         if self.kind == "ours":
-            assert self.etcd is not None
             exe = BIN / "elastic-supervisor"
             cmd = [str(exe), "run"] if exe.exists() else [sys.executable, "-m", "supervisor", "run"]
+            if self.backend == "c10d":
+                return [*cmd, *common, *c10d, "--health-port", "0", *worker]
+            assert self.etcd is not None
             return [*cmd, *common, "--rdzv-backend", "etcd", "--rdzv-endpoint", self.etcd.endpoint,
                     "--rdzv-conf", f"last_call_timeout={LAST_CALL},lease_ttl={self.lease_ttl}",
                     "--health-port", "0", *worker]
         exe = BIN / "torchrun"
         cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
-        return [*cmd, *common, "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{self.port}",
-                "--rdzv-conf", f"last_call_timeout={LAST_CALL}", *worker]
+        return [*cmd, *common, *c10d, *worker]
 
     def spawn(self, count: int = 1) -> list[Agent]:
         made = []
@@ -346,7 +360,7 @@ def agent_env() -> dict[str, str]:
 def fleet(kind: str, root: Path, nnodes: str, mode: str, etcd: Etcd | None,
           lease_ttl: int) -> Iterator[Fleet]:
     made = Fleet(kind, Path(tempfile.mkdtemp(prefix=f"{kind}-", dir=root)), nnodes, mode, etcd,
-                 lease_ttl)
+                 lease_ttl, OURS_BACKEND)
     (made.root / "worker.py").write_text(WORKER)
     try:
         yield made
@@ -427,6 +441,7 @@ ROWS = [
     ("node_loss", "loss_all_up", "node loss (SIGKILL): -> survivors' workers up"),
 ]
 KINDS = ("ours", "torchrun")
+OURS_BACKEND = "etcd"  # set by --ours-backend
 Results = dict[str, dict[str, dict[int, list[Sample]]]]  # scenario -> kind -> N -> samples
 
 
@@ -443,7 +458,7 @@ def cell(values: list[float], window: float) -> str:
 
 
 def table(results: Results, windows: dict[str, float]) -> str:
-    lines = ["| measurement (s) | N | elastic-supervisor (etcd) | torchrun (c10d) | "
+    lines = [f"| measurement (s) | N | elastic-supervisor ({OURS_BACKEND}) | torchrun (c10d) | "
              "torchrun / ours |", "|---|---|---|---|---|"]
     for scenario, key, label in ROWS:
         sizes = sorted({n for kind in KINDS for n in results.get(scenario, {}).get(kind, {})})
@@ -473,14 +488,20 @@ def main() -> None:
     p.add_argument("--only", action="append", choices=["formation", "scale_up", "node_loss"])
     p.add_argument("--no-torchrun", action="store_true")
     p.add_argument("--json", default=None, help="write the raw samples here")
+    p.add_argument("--ours-backend", choices=["etcd", "c10d"], default="etcd",
+                   help="ours against a local etcd, or with torchrun's own c10d command line")
     args = p.parse_args()
+    global OURS_BACKEND
+    OURS_BACKEND = args.ours_backend
     sizes = [2, 4] if args.quick else [int(x) for x in args.sizes.split(",")]
     reps = 1 if args.quick else args.reps
     kinds = ("ours",) if args.no_torchrun else KINDS
-    scenarios = args.only or ["formation", "scale_up", "node_loss"]
+    default = ["formation", "scale_up"] if OURS_BACKEND == "c10d" else \
+        ["formation", "scale_up", "node_loss"]
+    scenarios = args.only or default
     results: Results = {s: {k: {} for k in KINDS} for s in scenarios}
     root = Path(tempfile.mkdtemp(prefix="bench-rdzv-"))
-    etcd = Etcd(root)
+    etcd = Etcd(root) if OURS_BACKEND == "etcd" else None
     ttl = args.lease_ttl
     stuck: set[tuple[str, str, int]] = set()
     try:
@@ -508,13 +529,15 @@ def main() -> None:
                         log(f"{scenario} {kind} N={n} rep {rep}: {shown} "
                             f"({time.monotonic() - started:.1f} s)")
     finally:
-        etcd.close()
+        if etcd is not None:
+            etcd.close()
         if not os.environ.get("BENCH_KEEP"):
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    same = "the same c10d command line" if OURS_BACKEND == "c10d" else f"ours lease_ttl={ttl} s"
     print(f"Rendezvous on one machine ({os.cpu_count()} CPUs), 1 worker per agent, "
-          f"last_call_timeout={LAST_CALL} s for both, ours lease_ttl={ttl} s; "
+          f"last_call_timeout={LAST_CALL} s for both, {same}; "
           f"median (min-max) of {reps} run(s)\n")
     windows = {"formation": 0.0, "scale_up": args.scale_window, "node_loss": args.loss_window}
     print(table(results, windows))

@@ -77,6 +77,8 @@ def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None)
         return anyio.run(supervise, settings, env)
     except ConfigError as exc:
         return _config_error(exc)
+    except StoppedBeforeStart as exc:
+        return 128 + exc.signum
     except BaseExceptionGroup as group:
         # a start-up error raised inside the task group arrives wrapped: one line, still
         matched, rest = group.split(ConfigError)
@@ -101,15 +103,30 @@ def resolve_run_id(settings: Settings) -> str:
     return settings.rdzv_id
 
 
-def make_rendezvous(settings: Settings, run_id: str) -> Rendezvous:
-    """The configured backend; bad endpoints or conf values are one-line ConfigErrors."""
-    if settings.rdzv_backend == "static":
+def make_rendezvous(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
+    """The configured backend; bad endpoints or conf values are one-line ConfigErrors.
+    ``etcd`` and ``etcd-v2`` both use our etcd v3 backend; ``c10d`` may host an etcd whose
+    data lives in ``runtime_dir`` (``--standalone`` keeps torchrun's meaning: one node)."""
+    backend = settings.rdzv_backend
+    if backend == "static":
         return StaticRendezvous(
             run_id, settings.max_nodes, settings.node_rank, settings.master_addr,
             settings.master_port,
         )
     from supervisor.rendezvous.etcd import EtcdRendezvous, RendezvousConfigError, make_config
 
+    if backend == "c10d":
+        from supervisor.rendezvous.c10d import make_c10d_rendezvous
+
+        try:
+            return make_c10d_rendezvous(
+                endpoint=settings.rdzv_endpoint, run_id=run_id, nnodes=settings.nnodes,
+                rdzv_conf=settings.rdzv_conf, local_addr=settings.local_addr,
+                runtime_dir=runtime_dir, standalone=settings.standalone,
+                master_port=settings.master_port,
+            )
+        except RendezvousConfigError as exc:
+            raise ConfigError(str(exc)) from None
     try:
         config = make_config(
             endpoint=settings.rdzv_endpoint, run_id=run_id, nnodes=settings.nnodes,
@@ -121,12 +138,12 @@ def make_rendezvous(settings: Settings, run_id: str) -> Rendezvous:
 
 
 def conf_barrier_timeout(settings: Settings) -> Settings:
-    """``--rdzv-conf exit_barrier_timeout=S`` (a documented etcd key) overrides the flag."""
-    if settings.rdzv_backend != "etcd":
+    """``--rdzv-conf exit_barrier_timeout=S`` (a documented etcd key) overrides the flag.
+    Call after ``make_rendezvous``, which validated the conf."""
+    if settings.rdzv_backend == "static":
         return settings
-    from supervisor.rendezvous.etcd import parse_rdzv_conf
-
-    value = parse_rdzv_conf(settings.rdzv_conf).get("exit_barrier_timeout")
+    pairs = (item.partition("=") for item in settings.rdzv_conf.split(","))
+    value = {key.strip(): raw.strip() for key, _, raw in pairs}.get("exit_barrier_timeout")
     if value is None:
         return settings
     return msgspec.structs.replace(settings, exit_barrier_timeout=float(value))
@@ -221,11 +238,10 @@ async def supervise(
     log_root = _log_root(settings)
     event_log = Path(settings.event_log or log_root / run_id / "events.jsonl")
     check_event_log(event_log, "event_log" if settings.event_log else "log_dir")
-    rendezvous = make_rendezvous(settings, run_id)
-    settings = conf_barrier_timeout(settings)
-    runtime = RuntimeDir.create(environ)
+    runtime = RuntimeDir.create(environ)  # before the rendezvous: a c10d host's etcd data
     timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
     sock: socket.socket | None = None
+    rendezvous: Rendezvous | None = None
     try:
         if timer_file is not None:
             try:
@@ -235,13 +251,13 @@ async def supervise(
         # bound before anything joins a rendezvous: a busy or unusable port ends the start
         # here, with one line, instead of after this node was counted in by the others
         sock = None if settings.no_health else open_health_socket(settings)
-        try:
-            await rendezvous.connect()
-        except RendezvousError as exc:
-            raise ConfigError(f"rdzv_endpoint: {exc}") from None
+        rendezvous = make_rendezvous(settings, run_id, runtime.path)
+        settings = conf_barrier_timeout(settings)
+        await connect_rendezvous(rendezvous, handle_signals=not embedded)
     except BaseException:
-        with anyio.CancelScope(shield=True):
-            await rendezvous.aclose()  # its HTTP session, or asyncio logs "Unclosed client session"
+        if rendezvous is not None:
+            with anyio.CancelScope(shield=True):
+                await rendezvous.aclose()  # its HTTP session and a c10d host's etcd
         if sock is not None:
             sock.close()  # the Python API's caller lives on: leak nothing
         runtime.cleanup()
@@ -262,7 +278,8 @@ async def supervise(
         settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
         output=output, environ=worker_base_env(environ, settings.local_world_size, cookie),
         timer_file=str(timer_file) if timer_file else None, guardian=guardian,
-        exempt_pids=[guardian.pid], sweep_adopted=not embedded, command=command, cpus=cpus,
+        exempt_pids=[guardian.pid, *rendezvous_children(rendezvous)],
+        sweep_adopted=not embedded, command=command, cpus=cpus,
         progress=progress, observers=observers,
         stop_guard=lambda: extending_timeout(notifier),
     )
@@ -311,6 +328,56 @@ async def supervise(
         notifier.close()
         runtime.cleanup()
     return code
+
+
+class StoppedBeforeStart(Exception):
+    """A stop signal arrived while the rendezvous was being reached: exit 128+N."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+async def connect_rendezvous(rendezvous: Rendezvous, *, handle_signals: bool = False) -> None:
+    """Reach the rendezvous (a c10d host starts its etcd here); failure is a ConfigError.
+    This may wait until ``join_timeout`` for a service that is not up yet, so a stop
+    signal meanwhile ends the run cleanly (``StoppedBeforeStart``)."""
+    failure: RendezvousError | None = None
+    received: list[int] = []
+    async with anyio.create_task_group() as tg:
+        if handle_signals:
+            await tg.start(_cancel_on_stop_signal, tg.cancel_scope, received)
+        try:
+            await rendezvous.connect()
+        except RendezvousError as exc:
+            failure = exc
+        tg.cancel_scope.cancel()
+    if failure is None and not received:
+        return
+    with anyio.CancelScope(shield=True):
+        await rendezvous.aclose()  # its HTTP session, or asyncio logs "Unclosed client session"
+    if failure is not None:
+        raise ConfigError(f"rdzv_endpoint: {failure}") from None
+    logger.info("stopped by %s while reaching the rendezvous", signal.Signals(received[0]).name)
+    raise StoppedBeforeStart(received[0])
+
+
+async def _cancel_on_stop_signal(
+    scope: anyio.CancelScope, received: list[int], *, task_status: TaskStatus[None]
+) -> None:
+    with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        task_status.started()
+        async for signum in signals:
+            received.append(signum)
+            scope.cancel()
+            return
+
+
+def rendezvous_children(rendezvous: Rendezvous) -> list[int]:
+    """Our children that belong to the rendezvous (a c10d host's etcd): never swept as
+    strays when a worker group stops."""
+    pid = getattr(rendezvous, "server_pid", None)
+    return [pid] if isinstance(pid, int) else []
 
 
 async def _close_rendezvous(rendezvous: Rendezvous, state: sm.State) -> None:

@@ -42,7 +42,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     virtual_local_rank: bool = False
     numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = None
     # rendezvous
-    rdzv_backend: Literal["static", "etcd"] = "static"
+    rdzv_backend: str = "static"  # one of RDZV_BACKENDS
     rdzv_endpoint: str = ""
     rdzv_id: str = "none"
     rdzv_conf: str = ""
@@ -106,6 +106,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 DEFAULT_HEALTH_PORT: Final = 29480  # used when no flag, file or variable names a port
 
 FIELDS: frozenset[str] = frozenset(Settings.__struct_fields__)
+# static: no server; etcd and etcd-v2: an existing etcd (>= 3.4, our v3 backend for both);
+# c10d: the endpoint's host starts a single-member etcd itself (supervisor.rendezvous.c10d)
+RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+ETCD_BACKENDS = frozenset({"etcd", "etcd-v2"})
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False, "": False}
 _LIST_FIELDS = {
@@ -245,8 +249,11 @@ def validate(s: Settings) -> None:
          "restart_budget_window: must be > 0 seconds"),
         (bool(s.training_script), "training_script: nothing to run (give a script or command)"),
         (not (s.module and s.no_python), "module: --module and --no-python are mutually exclusive"),
-        (s.rdzv_backend != "etcd" or bool(s.rdzv_endpoint),
-         "rdzv_endpoint: the etcd backend needs --rdzv-endpoint host:port[,host:port]"),
+        (s.rdzv_backend in RDZV_BACKENDS,
+         f"rdzv_backend: unknown backend {s.rdzv_backend!r} (valid: {', '.join(RDZV_BACKENDS)})"),
+        (s.rdzv_backend not in ETCD_BACKENDS or bool(s.rdzv_endpoint),
+         f"rdzv_endpoint: the {s.rdzv_backend} backend needs --rdzv-endpoint "
+         "host:port[,host:port]"),
         (s.rdzv_backend != "static" or s.min_nodes == s.max_nodes,
          f"nnodes: the static backend needs a fixed node count, got {s.nnodes!r}"),
         (s.rdzv_backend != "static" or s.node_rank < s.max_nodes,

@@ -297,7 +297,7 @@ async def test_join_timeout_says_how_many_nodes_came(server: EtcdMember) -> None
 async def test_unreachable_endpoints_fail_clearly() -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     with anyio.fail_after(10), pytest.raises(RendezvousError, match=dead):
-        async with open_etcd_rendezvous(config([dead], 0, lease_ttl=1)):
+        async with open_etcd_rendezvous(config([dead], 0, lease_ttl=1, join_timeout=2)):
             pass
 
 

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import shlex
-from pathlib import Path
-
 import pytest
 
 from supervisor.cli import _run_parser, parse_run_args
 from tests import deps
+from tests.torchrun_lines import command_lines
 
 deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
 pytestmark = pytest.mark.torch
 
-LINES = Path(__file__).parent / "data" / "torchrun_command_lines.txt"
 # Accepted by the parser but refused at validation, with a one-line reason (docs/torchrun-compat.md)
 REFUSED = {"--logs-specs", "--logs_specs"}
 
@@ -28,11 +25,6 @@ def test_every_torchrun_option_string_is_ours() -> None:
     ours = {s for a in _run_parser()._actions for s in a.option_strings}
     theirs = {s for a in torchrun_parser()._actions for s in a.option_strings}
     assert theirs - ours == set()
-
-
-def command_lines() -> list[list[str]]:
-    lines = [ln for ln in LINES.read_text().splitlines() if ln and not ln.startswith("#")]
-    return [shlex.split(ln) for ln in lines]
 
 
 @pytest.mark.parametrize("argv", command_lines(), ids=lambda a: " ".join(a)[:60])

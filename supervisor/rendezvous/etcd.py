@@ -49,6 +49,7 @@ from supervisor.rendezvous.etcd_client import (
     EtcdClient,
     EtcdError,
     EtcdLeaseNotFound,
+    EtcdUnavailable,
     KeyValue,
     PrefixView,
     TlsFiles,
@@ -94,6 +95,8 @@ class EtcdRendezvousConfig:
     tls: TlsFiles | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
+    # seconds etcd may be unreachable before this node gives up (None: the lease TTL)
+    outage_limit: float | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.endpoints), "--rdzv-endpoint: at least one etcd endpoint is required")
@@ -106,8 +109,15 @@ class EtcdRendezvousConfig:
                      "request_timeout"):
             value = getattr(self, name)
             _check(0 < value < math.inf, f"{name} must be a positive number, got {value}")
+        _check(self.outage_limit is None or 0 < self.outage_limit < math.inf,
+               f"outage_limit must be a positive number, got {self.outage_limit}")
         if not self.local_addr:
             object.__setattr__(self, "local_addr", _default_local_addr(self.endpoints))
+
+    @property
+    def unreachable_limit(self) -> float:
+        """Seconds etcd may be unreachable before this node gives up."""
+        return self.lease_ttl if self.outage_limit is None else self.outage_limit
 
 
 def _check(ok: bool, message: str) -> None:
@@ -126,7 +136,8 @@ def _default_local_addr(endpoints: tuple[str, ...]) -> str:
 
 _CONF_KEYS: dict[str, type] = {
     "join_timeout": float, "timeout": float, "last_call_timeout": float, "lease_ttl": int,
-    "exit_barrier_timeout": float, "request_timeout": float, "node_id": str, "protocol": str,
+    "exit_barrier_timeout": float, "request_timeout": float, "outage_limit": float,
+    "node_id": str, "protocol": str,
     "cacert": str, "cert": str, "key": str, "user": str, "password_file": str,
 }
 
@@ -202,7 +213,8 @@ def make_config(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str = "",
         except OSError as exc:
             raise RendezvousConfigError(f"--rdzv-conf: password_file: {exc.strerror}") from None
     passed: dict[str, Any] = {k: v for k, v in conf.items()
-                              if k.endswith(("_timeout", "_ttl")) or k in ("node_id", "user")}
+                              if k.endswith(("_timeout", "_ttl"))
+                              or k in ("node_id", "user", "outage_limit")}
     return EtcdRendezvousConfig(
         endpoints=parse_endpoints(endpoint, https=https), run_id=run_id,
         min_nodes=min_nodes, max_nodes=max_nodes, local_addr=local_addr or "",
@@ -279,10 +291,11 @@ class _State:
 class _LeaseKeeper:
     """This agent's lease, refreshed every TTL/3; survives outages shorter than the TTL."""
 
-    def __init__(self, client: EtcdClient, ttl: int) -> None:
+    def __init__(self, client: EtcdClient, ttl: int, limit: float | None = None) -> None:
         self._client = client
         self.id = 0
         self.ttl = ttl
+        self.limit = limit  # seconds of outage to ride out (None: the TTL)
         self.lost = anyio.Event()
         self.lost_reason = ""
         self._stopped = anyio.Event()
@@ -294,6 +307,7 @@ class _LeaseKeeper:
     async def keep_alive(self) -> None:
         """Refresh until stopped or lost; on failure retry quickly until the TTL runs out."""
         last_ok, interval = time.monotonic(), self.ttl / 3
+        limit = self.ttl if self.limit is None else self.limit
         while True:
             with anyio.move_on_after(interval):
                 await self._stopped.wait()
@@ -301,16 +315,18 @@ class _LeaseKeeper:
                 return
             sent = time.monotonic()
             try:
-                with anyio.fail_after(max(last_ok + self.ttl - sent, 0.01)):
+                with anyio.fail_after(max(last_ok + limit - sent, 0.01)):
                     await self._client.lease_keepalive(self.id)
             except EtcdLeaseNotFound:
                 return self._mark_lost(f"etcd lease {self.id:x} expired")
             except (EtcdError, TimeoutError) as exc:
                 if self._stopped.is_set():
                     return
-                if time.monotonic() - last_ok >= self.ttl:
+                if time.monotonic() - last_ok >= limit:
+                    what = "the lease TTL" if self.limit is None else "outage_limit"
                     return self._mark_lost(
-                        f"etcd unreachable for longer than the lease TTL ({self.ttl}s): {exc}")
+                        f"etcd unreachable for longer than {what} ({limit:g}s): "
+                        f"{str(exc) or 'no answer'}")
                 logger.warning("etcd lease keepalive failed, retrying: %s", exc)
                 interval = min(self.ttl / 10, 0.5)
                 continue
@@ -349,8 +365,8 @@ class EtcdRendezvous:
         timeout = min(config.request_timeout, config.lease_ttl / 3)
         self._client = EtcdClient(config.endpoints, timeout=timeout,
                                   tls=config.tls, user=config.user, password=config.password,
-                                  retry_window=config.lease_ttl)
-        self._lease = _LeaseKeeper(self._client, config.lease_ttl)
+                                  retry_window=config.unreachable_limit)
+        self._lease = _LeaseKeeper(self._client, config.lease_ttl, config.outage_limit)
         self._running = False
         self._left = False
         self._closed = anyio.Event()
@@ -366,10 +382,28 @@ class EtcdRendezvous:
     # lifecycle
 
     async def connect(self) -> None:
-        """Take this node's lease (once); raises ``RendezvousError`` if etcd is unusable."""
-        if not self._lease.id:
-            with _etcd_errors(f"taking a lease from {', '.join(self.config.endpoints)}"):
-                await self._lease.grant()
+        """Take this node's lease (once). An unreachable etcd is retried until
+        ``join_timeout`` (nodes often start before the service is up); raises
+        ``RendezvousError`` if etcd is still unreachable then, or refuses."""
+        if self._lease.id:
+            return
+        deadline = time.monotonic() + self.config.join_timeout
+        last = "no answer"
+        with _etcd_errors(f"taking a lease from {', '.join(self.config.endpoints)}"):
+            while True:
+                try:
+                    with anyio.fail_after(max(deadline - time.monotonic(), 0.01)):
+                        await self._lease.grant()
+                    return
+                except (EtcdUnavailable, TimeoutError) as exc:
+                    if time.monotonic() >= deadline:
+                        why = str(exc) or last
+                        message = f"unreachable for {self.config.join_timeout:g}s: {why}"
+                        raise EtcdUnavailable(message) from exc
+                    if last == "no answer":  # once: a node may wait minutes for the service
+                        logger.info("etcd not reachable yet, retrying until join_timeout "
+                                    "(%gs): %s", self.config.join_timeout, exc)
+                    last = str(exc) or last
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Connect (if not yet), report ready, then keep the lease alive until ``aclose()``
