@@ -3,20 +3,31 @@ reach, attempt directories, the health server's connection cap and response size
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import contextlib
 import ctypes
 import errno
 import json
 import os
 import stat
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
+import aiohttp
+import anyio
+import anyio.abc
 import pytest
+from msgspec.structs import replace
 
+from supervisor.core.snapshot import MAX_MESSAGE_CHARS, FailureView, cap_text
+from supervisor.health.server import MAX_CONNECTIONS, ConnectionLedger
 from supervisor.workers.attemptdir import MAX_SKIPPED, create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
 from tests.conftest import supervisor
+from tests.test_health_server import Harness, make_snapshot, running_server
 from tests.tmpfs import small_tmpfs
 
 
@@ -182,3 +193,116 @@ def test_attempt_dir_rejects_a_negative_index(tmp_path: Path) -> None:
     with pytest.raises(ValueError):
         create_attempt_dir(tmp_path, -1, 1)
 
+
+
+# ------------------------------------------------------------------ health server
+
+
+def test_ledger_evicts_the_oldest_waiting_connection() -> None:
+    ledger = ConnectionLedger(2)
+    a, b, c = object(), object(), object()
+    ta, tb, tc = (cast(asyncio.BaseTransport, name) for name in ("ta", "tb", "tc"))
+    assert ledger.opened(a, ta) is None
+    assert ledger.opened(b, tb) is None
+    assert ledger.opened(c, tc) is ta and ledger.evicted == 1
+    ledger.closed(a)  # the server's callback after the close
+    assert len(ledger) == 2
+
+
+def test_ledger_never_evicts_a_busy_connection() -> None:
+    ledger = ConnectionLedger(2)
+    a, b, c = object(), object(), object()
+    ledger.opened(a, cast(asyncio.BaseTransport, "ta"))
+    ledger.opened(b, cast(asyncio.BaseTransport, "tb"))
+    ledger.request_started(a)
+    ledger.request_started(b)
+    assert ledger.opened(c, cast(asyncio.BaseTransport, "tc")) == "tc"  # the newcomer
+    assert ledger.evicted == 0
+
+
+def test_ledger_orders_by_time_waiting_since_the_last_response() -> None:
+    ledger = ConnectionLedger(2)
+    a, b, c = object(), object(), object()
+    ledger.opened(a, cast(asyncio.BaseTransport, "ta"))
+    ledger.opened(b, cast(asyncio.BaseTransport, "tb"))
+    ledger.request_started(a)
+    ledger.request_done(a)  # a answered: it now waits since later than b
+    assert ledger.opened(c, cast(asyncio.BaseTransport, "tc")) == "tb"
+
+
+async def probe(port: int) -> int:
+    async with (aiohttp.ClientSession() as client,
+                client.get(f"http://127.0.0.1:{port}/healthz") as resp):
+        return resp.status
+
+
+async def test_idle_connections_over_the_cap_do_not_lock_probes_out() -> None:
+    """Item 3: 70+ idle TCP connections; /healthz still answers 200 at once, and the oldest
+    idle connections are the ones closed."""
+    h = Harness()
+    with anyio.fail_after(20):
+        async with running_server(h) as (_, port):
+            idle = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(MAX_CONNECTIONS + 8)]
+            half = await anyio.connect_tcp("127.0.0.1", port)
+            await half.send(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")  # never finished
+            with anyio.fail_after(2):  # "at once": far below the 10 s request deadline
+                assert await probe(port) == 200
+            for stream in idle[:9]:  # the nine oldest made room for the eight, then the probe
+                with pytest.raises((anyio.EndOfStream, anyio.BrokenResourceError)):
+                    await stream.receive()
+            assert b"http_connections_evicted_total 10.0" in h.metrics.render()
+            for stream in [*idle, half]:
+                await stream.aclose()
+
+
+async def test_a_client_reconnecting_idle_connections_cannot_lock_probes_out() -> None:
+    """Item 3: a client that keeps reopening idle connections as fast as it can; every
+    probe in between is answered."""
+    h = Harness()
+    with anyio.fail_after(60):
+        async with running_server(h) as (_, port), anyio.create_task_group() as tg:
+            stop = anyio.Event()
+            opened = 0
+
+            async def flood() -> None:
+                nonlocal opened
+                held: collections.deque[anyio.abc.SocketStream] = collections.deque()
+                while not stop.is_set():
+                    held.append(await anyio.connect_tcp("127.0.0.1", port))
+                    opened += 1
+                    if len(held) > 2 * MAX_CONNECTIONS:  # the client's own fd budget
+                        await held.popleft().aclose()
+                for stream in held:
+                    await stream.aclose()
+
+            tg.start_soon(flood)
+            codes = []
+            while len(codes) < 20 or opened < 4 * MAX_CONNECTIONS:
+                codes.append(await probe(port))
+            stop.set()
+        assert codes == [200] * len(codes)
+
+
+async def test_status_with_a_huge_failure_message_stays_small() -> None:
+    """Item 3: a 1 MiB error-file message was repeated twice in /status (2 MB)."""
+    huge = "RuntimeError: " + "x" * (1 << 20)
+    failure = FailureView(
+        kind="exited", attempt=1, local_rank=0, global_rank=0, pid=4000, exit_code=1,
+        signal=None, message=huge, description=f"local rank 0 exited with code 1: {huge}",
+        at_wall=time.time(),
+    )
+    h = Harness(snapshot=replace(make_snapshot("failed"), last_failure=failure))
+    with anyio.fail_after(10):
+        async with running_server(h) as (client, _), client.get("/status") as resp:
+            body = await resp.read()
+    doc = json.loads(body)
+    assert len(body) < 4 * MAX_MESSAGE_CHARS
+    assert doc["last_failure"]["message"].startswith("RuntimeError: xxx")
+    assert doc["last_failure"]["message"].endswith("more characters cut]")
+    assert len(doc["last_failure"]["description"]) <= MAX_MESSAGE_CHARS
+
+
+def test_cap_text_keeps_short_text_and_marks_what_it_cut() -> None:
+    assert cap_text("short", 64) == "short"
+    capped = cap_text("y" * 1000, 100)
+    assert len(capped) <= 100 and capped.endswith("[964 more characters cut]")

@@ -80,6 +80,10 @@ class Metrics:
         self.http_requests = self._counter(
             "http_requests", "HTTP requests served, by path and status code.", ("path", "code")
         )
+        self.http_evictions = self._counter(
+            "http_connections_evicted",
+            "Health connections closed at the connection cap before sending a request.",
+        )
 
     def _make_watchdog_counters(self) -> None:
         self.watchdog_accepted = self._counter(
@@ -169,6 +173,10 @@ class Metrics:
         """One HTTP request was answered; unknown paths share one label value."""
         label = path if path in HTTP_PATHS else OTHER_PATH
         self.http_requests.labels(label, str(code)).inc()
+
+    def record_http_eviction(self) -> None:
+        """A waiting connection was closed to make room for a new one at the cap."""
+        self.http_evictions.inc()
 
     # ----------------------------------------------------------------------- state
 
