@@ -7,6 +7,8 @@ deadline timer judged before the FIFO was read ("deadline 'step' expired 2.139 s
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -16,7 +18,10 @@ from pathlib import Path
 import anyio
 import pytest
 
+from supervisor.core.deadlines import DeadlineTable, TimerRequest
+from supervisor.watchdog.timers import WatchdogConfig
 from tests.conftest import pid_alive, supervisor
+from tests.test_watchdog import post, request, running_watchdog
 
 RENEW = """
 import os, sys, time
@@ -32,6 +37,77 @@ while True:
 """
 
 FREEZE = 5.0  # seconds the supervisor is stopped: longer than the 3 s deadlines
+
+
+# ------------------------------------------------------------ the mechanism, in-process
+
+
+async def test_renewal_unread_when_the_timer_fires_still_counts(tmp_path: Path) -> None:
+    """The race of the frozen supervisor, made deterministic: the deadline's timer and
+    the FIFO's renewal become due in one stall of the loop, and the timer's task is
+    scheduled first (as after a SIGCONT, when epoll returns EINTR and no events). The
+    renewal must be read before the deadline is judged."""
+    child = await anyio.open_process(["sleep", "60"])
+    loop = asyncio.get_running_loop()
+    try:
+        async with running_watchdog(tmp_path / "wd" / "timer.fifo") as h:
+            h.owned[child.pid] = 0
+            post(h.fifo, request(child.pid, after=0.5, scope="step"))
+            await h.metrics.until(lambda: h.metrics.accepted == 1)
+            [(_, _, due)] = h.watchdog.deadlines()
+
+            def stall(seconds: float) -> None:
+                time.sleep(seconds)  # the loop stands still: this is the fault
+
+            def renew() -> None:  # posted while the loop still stands still
+                post(h.fifo, request(child.pid, after=5.0, scope="step"))
+
+            loop.call_at(due - 0.05, stall, 0.1)  # past the deadline, nothing seen yet
+            loop.call_at(due + 0.01, renew)  # runs right after the timer's callback
+            await h.metrics.until(lambda: h.metrics.accepted == 2)
+            expired = h.watchdog.stats.expired
+            [(_, _, renewed)] = h.watchdog.deadlines()
+        assert renewed > due + 4 and not expired
+        assert child.returncode is None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+        await child.wait()
+
+
+async def test_a_stall_postpones_deadlines_that_fell_due_during_it(tmp_path: Path) -> None:
+    """A stall longer than the threshold gives every worker that long again (bounded)
+    before judging: its renewal may not have been written yet (the machine froze)."""
+    child = await anyio.open_process(["sleep", "60"])
+    loop = asyncio.get_running_loop()
+    config = WatchdogConfig(kill_grace=0.5, stall_threshold=0.2, max_stall_grace=0.6)
+    try:
+        async with running_watchdog(tmp_path / "wd" / "timer.fifo", config) as h:
+            h.owned[child.pid] = 0
+            post(h.fifo, request(child.pid, after=0.2, scope="step"))
+            await h.metrics.until(lambda: h.metrics.accepted == 1)
+            [(_, _, due)] = h.watchdog.deadlines()
+            loop.call_at(due - 0.05, time.sleep, 0.5)  # woken 0.45 s late
+            event = await h.next_expiry()  # judged later, not never: it is still hung
+            assert h.watchdog.stats.stalls == 1 and h.watchdog.stats.postponed == 1
+            assert event.late < 0.2  # judged at the postponed time, not 0.45 s late
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            child.kill()
+        await child.wait()
+
+
+def test_postpone_until_moves_only_earlier_deadlines() -> None:
+    table = DeadlineTable()
+    table.register(TimerRequest(10, "a", 101.0, 9), 0, now_wall=100.0, now_mono=0.0)
+    table.register(TimerRequest(11, "b", 110.0, 9), 1, now_wall=100.0, now_mono=0.0)
+    assert table.postpone_until(5.0) == 1
+    assert [(d.pid, d.expires_at) for d in table] == [(10, 5.0), (11, 10.0)]
+    assert table.pop_expired(4.9) == []
+    assert [e.pid for e in table.pop_expired(5.0)] == [10]
+
+
+# ------------------------------------------------------------- the real daemon, frozen
 
 
 def events(path: Path) -> list[dict[str, object]]:

@@ -297,7 +297,7 @@ def cap_connections(
             if victim is not transport and on_evict is not None:
                 on_evict()
 
-    def connection_lost(handler: RequestHandler, exc: BaseException | None) -> None:
+    def connection_lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
         ledger.closed(handler)
         lost(handler, exc)
 
