@@ -19,6 +19,9 @@ import anyio
 import pytest
 
 from supervisor.core.deadlines import DeadlineTable, TimerRequest
+from supervisor.events import EventLog
+from supervisor.health.looplag import LoopLag, Stall
+from supervisor.health.metrics import Metrics
 from supervisor.watchdog.timers import WatchdogConfig
 from tests.conftest import pid_alive, supervisor
 from tests.test_watchdog import post, request, running_watchdog
@@ -107,6 +110,51 @@ def test_postpone_until_moves_only_earlier_deadlines() -> None:
     assert [e.pid for e in table.pop_expired(5.0)] == [10]
 
 
+def test_a_long_tick_is_a_stall_reported_to_listeners(tmp_path: Path) -> None:
+    """Item 9: a stall becomes an event (through a listener) and counts (for metrics)."""
+    log = EventLog(tmp_path / "events.jsonl", "run")
+    lag = LoopLag(interval=2.0, clock=lambda: 0.0, stall_threshold=1.0)
+    lag.add_listener(lambda stall: log.emit("loop_stall", **stall.fields()))
+    lag.record(10.0, 12.5, boot_slept=10.0, boot_woke=12.5)  # 0.5 s late: not a stall
+    lag.record(12.5, 19.5, boot_slept=12.5, boot_woke=19.5)  # 5 s late: SIGSTOP-like
+    log.close()
+    [record] = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert (record["event"], record["cause"], record["seconds"]) == ("loop_stall", "stall", 5.0)
+    assert (lag.stalls, lag.stalled_seconds) == (1, 5.0)
+
+
+def test_a_suspended_machine_is_a_stall_of_kind_suspend() -> None:
+    seen: list[Stall] = []
+    lag = LoopLag(interval=2.0, clock=lambda: 0.0)
+    lag.add_listener(seen.append)
+    # the monotonic clock advanced 2 s, CLOCK_BOOTTIME 32 s: 30 s suspended
+    lag.record(100.0, 102.0, boot_slept=500.0, boot_woke=532.0)
+    assert [(s.kind, s.seconds) for s in seen] == [("suspend", 30.0)]
+
+
+def test_a_failing_stall_listener_does_not_stop_the_measurement(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    lag = LoopLag(interval=1.0, clock=lambda: 0.0)
+
+    def broken(stall: Stall) -> None:
+        raise RuntimeError("bug in a listener")
+
+    lag.add_listener(broken)
+    assert lag.record(0.0, 4.0) == 3.0
+    assert lag.stalls == 1 and "loop stall listener failed" in caplog.text
+
+
+def test_metrics_export_the_stall_counts() -> None:
+    metrics = Metrics()
+    lag = LoopLag(interval=1.0, clock=lambda: 0.0)
+    metrics.watch_loop(lag)
+    lag.record(0.0, 4.5)
+    text = metrics.render().decode()
+    assert "elastic_supervisor_event_loop_stalls_total 1.0" in text
+    assert "elastic_supervisor_event_loop_stalled_seconds_total 3.5" in text
+
+
 # ------------------------------------------------------------- the real daemon, frozen
 
 
@@ -131,6 +179,7 @@ async def freeze_and_check(tmp_path: Path) -> None:
         finally:
             os.kill(sup.pid, signal.SIGCONT)
         thawed = time.time()
+        await sup.err.expect(r"event loop stalled for [3-9]\.\d+ s")
         # every worker renews three more times after the thaw: an expiry judged on stale
         # deadlines would have fired at once, long before the last of these steps
         seen = {"0": 0, "1": 0}

@@ -53,7 +53,7 @@ class Stall(msgspec.Struct, frozen=True):
 
     def fields(self) -> dict[str, Any]:
         """The event-log fields (``events.emit("loop_stall", **stall.fields())``)."""
-        return {"kind": self.kind, "seconds": round(self.seconds, 3)}
+        return {"cause": self.kind, "seconds": round(self.seconds, 3)}
 
 
 StallListener = Callable[[Stall], None]
