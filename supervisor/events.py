@@ -82,6 +82,8 @@ class EventLog:
         record.update({k: v for k, v in fields.items() if v is not None})
         self.count += 1
         if self.path is not None:
+            if self._pending:  # space may have returned: make room before keeping this one
+                self.flush()
             self._keep(_encode(record))
             self.flush()
         return record
