@@ -695,7 +695,12 @@ class Chaos:
         finally:
             self.proc.send_signal(signal.SIGCONT)
             self.freeze_epoch += 1
-        await self.sigusr1()  # every rank of the same group must still answer
+        try:
+            await self.sigusr1()  # every rank of the same group must still answer
+        except TimeoutError:
+            fault.problems.append(f"the group did not answer SIGUSR1 after a {FREEZE:g} s "
+                                  "freeze (killed as hung?)")
+            return
         if self.board.restart != restart:
             fault.problems.append(f"the group restarted after a {FREEZE:g} s freeze")
             return
