@@ -501,6 +501,7 @@ class Chaos:
         self.tail = EventTail(self.root / "logs" / "chaos" / "events.jsonl", self.board)
         self.log_tmpfs: Path | None = None
         self.freeze_epoch = 0  # counts SIGSTOPs and SIGCONTs of the supervisor
+        self.fifo_quiet = anyio.Lock()  # held by a FIFO fault, or by a freeze
 
     # -- set-up ------------------------------------------------------------------
     @property
@@ -688,6 +689,13 @@ class Chaos:
                       {"restart": restart, "pids": sorted(p for p, _ in group.values())})
         self.faults.append(fault)
         assert self.proc is not None
+        # no FIFO garbage meanwhile: lines over PIPE_BUF written into a FIFO that fills
+        # during the freeze are torn and corrupt the workers' own requests (security.md)
+        async with self.fifo_quiet:
+            await self.freeze(fault, restart)
+
+    async def freeze(self, fault: Fault, restart: int) -> None:
+        assert self.proc is not None
         self.freeze_epoch += 1  # odd while frozen
         self.proc.send_signal(signal.SIGSTOP)
         try:
@@ -793,6 +801,12 @@ class Chaos:
         lines = fifo_lines(self.rng, targets)
         fault = Fault("fifo", time.monotonic(), None, {"lines": len(lines)})
         self.faults.append(fault)
+        async with self.fifo_quiet:
+            await self.write_fifo(lines)
+        fault.observed = True
+
+    async def write_fifo(self, lines: list[tuple[bytes, str]]) -> None:
+        assert self.board.fifo is not None
         fd = os.open(self.board.fifo, os.O_WRONLY | os.O_NONBLOCK)
         try:
             for line, reason in lines:
@@ -805,7 +819,6 @@ class Chaos:
                 self.fifo_expected[reason] += 1
         finally:
             os.close(fd)
-        fault.observed = True
 
     async def probe(self, session: aiohttp.ClientSession, method: str, path: str) -> int | None:
         label = path.split("?")[0]

@@ -209,6 +209,7 @@ class Watchdog:
         self._escalating: set[int] = set()  # pids
         self._tg: anyio.abc.TaskGroup | None = None
         self._reader: FifoReader | None = None
+        self._armed_at = 0.0  # monotonic: when the timer last went to sleep
         self.attempt = 0
         self.stats = WatchdogStats()
 
@@ -322,6 +323,7 @@ class Watchdog:
             self._wakeup = anyio.Event()
             nearest = self._table.next_deadline()
             self._timer_target = math.inf if nearest is None else nearest
+            self._armed_at = anyio.current_time()
             with anyio.move_on_at(self._timer_target):
                 await self._wakeup.wait()
             self._judge(anyio.current_time())
@@ -342,11 +344,15 @@ class Watchdog:
             self._start_escalation(expired, now)
 
     def _ride_out(self, late: float, now: float) -> None:
-        """The timer woke ``late`` seconds late: nothing could be observed meanwhile, not
-        even a renewal (a worker may have been starved too, if the whole machine was).
-        Every deadline gets at least that long again (bounded), before the FIFO is read,
-        so that what a worker posted since still decides."""
-        grace = min(late, self._config.max_stall_grace)
+        """The timer woke ``late`` seconds late: the loop stalled, and nothing could be
+        observed meanwhile, not even a renewal (a worker may have been starved too, if
+        the whole machine was, or its requests dropped while the FIFO was full). The stall
+        began after the timer went to sleep and lasted at least ``late``: every deadline
+        gets at least ``now - armed_at`` again (bounded by ``max_stall_grace``), before the
+        FIFO is read, so that what a worker posted since still decides. A hung worker is
+        still caught, at most that much later."""
+        unobserved = max(late, now - self._armed_at)
+        grace = min(unobserved, self._config.max_stall_grace)
         moved = self._table.postpone_until(now + grace)
         self.stats.stalls += 1
         self.stats.postponed += moved
