@@ -26,7 +26,7 @@ from supervisor.core.snapshot import MAX_MESSAGE_CHARS, FailureView, cap_text
 from supervisor.health.server import MAX_CONNECTIONS, ConnectionLedger
 from supervisor.workers.attemptdir import MAX_SKIPPED, create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
-from tests.conftest import supervisor
+from tests.conftest import FAKE_WORKER, supervisor
 from tests.test_health_server import Harness, make_snapshot, running_server
 from tests.tmpfs import small_tmpfs
 
@@ -306,3 +306,26 @@ def test_cap_text_keeps_short_text_and_marks_what_it_cut() -> None:
     assert cap_text("short", 64) == "short"
     capped = cap_text("y" * 1000, 100)
     assert len(capped) <= 100 and capped.endswith("[964 more characters cut]")
+
+
+async def test_daemon_answers_healthz_with_70_idle_connections_open(tmp_path: Path) -> None:
+    """Item 3 through the real daemon: 70 idle connections, then /healthz is 200 at once."""
+    args = ["--health-port", "0", "--health-host", "127.0.0.1", "--log-dir", str(tmp_path),
+            FAKE_WORKER, "--hang"]
+    async with supervisor(args) as sup:
+        port = int((await sup.err.expect(r"health endpoint on http://[^:]+:(\d+)")).group(1))
+        await sup.out.expect(r"^ready 0 ")
+        with anyio.fail_after(10):
+            while True:  # served once the first group launched (or 0.5 s passed)
+                try:
+                    if await probe(port) == 200:
+                        break
+                except aiohttp.ClientError:
+                    await anyio.sleep(0.05)  # pacing: the server starts after the launch
+        idle = [await anyio.connect_tcp("127.0.0.1", port) for _ in range(70)]
+        try:
+            with anyio.fail_after(2):
+                assert await probe(port) == 200
+        finally:
+            for stream in idle:
+                await stream.aclose()
