@@ -13,6 +13,10 @@ logrotate. A failing disk is never fatal, and never loses events silently:
   point and why, so the file itself shows the gap.
 - ``dropped`` and ``pending`` are exported as metrics (``Metrics.watch_event_log``) and
   ``loss_summary()`` gives the end-of-job summary its line.
+
+String fields are capped at ``MAX_MESSAGE_CHARS`` (4 096) characters, with a marker: a
+root cause can carry a worker's error-file message of up to 1 MiB, which belongs in the
+error file (its path is in the event), not once per failure in this log.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
+
+from supervisor.core.snapshot import cap_text
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +85,8 @@ class EventLog:
             "run_id": self.run_id,
             "attempt": self.attempt,
         }
-        record.update({k: v for k, v in fields.items() if v is not None})
+        record.update({k: cap_text(v) if isinstance(v, str) else v
+                       for k, v in fields.items() if v is not None})
         self.count += 1
         if self.path is not None:
             if self._pending:  # space may have returned: make room before keeping this one

@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 
+from supervisor.core.snapshot import MAX_MESSAGE_CHARS
 from supervisor.events import MAX_PENDING, EventLog
 from supervisor.health.metrics import Metrics
 from supervisor.workers.output import LogFile, OutputLoss
@@ -198,3 +199,12 @@ async def test_daemon_marks_worker_output_lost_on_a_full_log_disk(tmp_path: Path
     [marker] = MARKER.findall(data)
     assert int(marker[0]) == int(resumed.group(1)) > 0
     assert "group_started" in kinds and "group_stopped" in kinds  # every line is JSON
+
+
+def test_huge_string_fields_are_capped_in_the_event_log(tmp_path: Path) -> None:
+    log = EventLog(tmp_path / "events.jsonl", "run")
+    log.emit("group_stopping", root_cause="local rank 0 exited: " + "x" * (1 << 20))
+    log.close()
+    [record] = records(tmp_path / "events.jsonl")
+    assert len(record["root_cause"]) <= MAX_MESSAGE_CHARS
+    assert record["root_cause"].endswith("more characters cut]")
