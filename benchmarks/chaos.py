@@ -712,6 +712,7 @@ class Chaos:
         if self.board.restart != restart:
             fault.problems.append(f"the group restarted after a {FREEZE:g} s freeze")
             return
+        fault.detail["confirmed"] = time.monotonic()  # the same clock as the events' "mono"
         fault.observed = True
 
     async def diskfull(self) -> None:
@@ -725,13 +726,17 @@ class Chaos:
         fault = Fault("diskfull", time.monotonic(), pid,
                       {"restart": restart, "rank": rank, "tag": after_tag})
         self.faults.append(fault)
+        [attempt_dir] = [e["dir"] for e in self.board.events_named("group_started")
+                         if pid in e["pids"].values()] or [None]
+        failing = f"cannot write {attempt_dir}/{rank}/stdout.log"
+        seen = self.stderr_count(failing)
         filler = self.log_tmpfs / f"filler.{self.floods}"
         fill_disk(filler)
         try:
             self.command(pid, f"flood {lost_tag} 2000")
             await self.board.wait_for(f"end of flood {lost_tag}",
                                       lambda: lost_tag in self.board.flooded)
-            await self.wait_stderr(f"cannot write {self.log_tmpfs}")
+            await self.wait_stderr(failing, seen + 1)  # this time, this rank's file
         finally:
             filler.unlink()
         self.command(pid, f"flood {after_tag} 10")
@@ -741,11 +746,14 @@ class Chaos:
             fault.problems.append("the group restarted when the log disk was full")
         fault.observed = True
 
-    async def wait_stderr(self, text: str) -> None:
-        """Until the supervisor's log (a file here) says ``text``."""
-        path, needle = self.root / "supervisor.err", text.encode()
+    def stderr_count(self, text: str) -> int:
+        """How many times the supervisor's log (a file here) has said ``text``."""
+        return (self.root / "supervisor.err").read_bytes().count(text.encode())
+
+    async def wait_stderr(self, text: str, times: int) -> None:
+        """Until the supervisor's log has said ``text`` ``times`` times."""
         with anyio.fail_after(WAIT):
-            while needle not in path.read_bytes():
+            while self.stderr_count(text) < times:
                 await anyio.sleep(0.05)  # pacing: a file announces nothing
 
     async def grandchild(self) -> None:
@@ -904,6 +912,9 @@ class Chaos:
                  "flood": 2, "grandchild": 2, "sigusr1": 2, "frozen": 1}
         if self.log_tmpfs is not None:
             kinds["diskfull"] = 1
+        if self.args.kinds:
+            wanted = set(self.args.kinds.split(","))
+            kinds = {k: w for k, w in kinds.items() if k in wanted} or kinds
         names, weights = list(kinds), list(kinds.values())
         while time.monotonic() < until:
             restart = self.board.restart
@@ -1167,10 +1178,12 @@ class Chaos:
                           "followed by the flood written after the disk was freed")
 
     def _check_frozen(self, f: Fault) -> None:
-        # a worker of the frozen group may die later, by a later fault: only a death as
-        # "hung" right after the freeze is this fault's doing
+        # a worker of the frozen group may die later, by a later fault (a SIGSTOPped
+        # worker's loop deadline expires): only an expiry between the freeze and the
+        # group's answer to SIGUSR1 is this fault's doing
+        until = f.detail.get("confirmed", math.inf)
         hung = [e for e in self.board.events_named("deadline_expired")
-                if e.get("pid") in f.detail["pids"] and e.get("scope") == "loop"]
+                if e.get("pid") in f.detail["pids"] and f.at <= e.get("mono", 0) <= until]
         if hung:
             f.problems.append(f"killed as hung after the freeze: {hung}")
         if b"event loop stalled" not in (self.root / "supervisor.err").read_bytes():
@@ -1238,7 +1251,10 @@ class Chaos:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
-        self.unmount_log_tmpfs()
+        if self.args.keep and self.log_tmpfs is not None:
+            log(f"log tmpfs left mounted at {self.log_tmpfs} (--keep)")
+        else:
+            self.unmount_log_tmpfs()
 
     def report(self, wall: float, signalled: int) -> Report:
         table: dict[str, dict[str, int]] = {}
@@ -1304,6 +1320,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--max-restarts", type=int, default=100000)
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the run directory")
+    p.add_argument("--kinds", default="",
+                   help="only these main-loop faults, comma-separated (e.g. frozen,diskfull)")
     p.add_argument("--disk-full", action="store_true",
                    help="put the logs on a tmpfs and inject 'diskfull' faults (needs root)")
     args = p.parse_args(list(argv) if argv is not None else None)
