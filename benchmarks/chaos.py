@@ -729,7 +729,8 @@ class Chaos:
         [attempt_dir] = [e["dir"] for e in self.board.events_named("group_started")
                          if pid in e["pids"].values()] or [None]
         failing = f"cannot write {attempt_dir}/{rank}/stdout.log"
-        seen = self.stderr_count(failing)
+        resumed = f"writing {attempt_dir}/{rank}/stdout.log again"
+        seen, seen_resumed = self.stderr_count(failing), self.stderr_count(resumed)
         filler = self.log_tmpfs / f"filler.{self.floods}"
         fill_disk(filler)
         try:
@@ -742,6 +743,10 @@ class Chaos:
         self.command(pid, f"flood {after_tag} 10")
         await self.board.wait_for(f"end of flood {after_tag}",
                                   lambda: after_tag in self.board.flooded)
+        try:  # the marker is written, and this line logged, when writing works again
+            await self.wait_stderr(resumed, seen_resumed + 1)
+        except TimeoutError:
+            fault.problems.append(f"no '{resumed}' in the supervisor's log")
         if self.board.restart != restart:
             fault.problems.append("the group restarted when the log disk was full")
         fault.observed = True
@@ -1171,8 +1176,8 @@ class Chaos:
         for d in dirs:
             log_file = Path(d) / str(f.detail["rank"]) / "stdout.log"
             data = log_file.read_bytes() if log_file.exists() else b""
-            marker = data.rfind(LOST_MARKER)
-            if marker >= 0 and last in data[marker:]:
+            end = data.find(last)
+            if end >= 0 and data.rfind(LOST_MARKER, 0, end) >= 0:
                 return
         f.problems.append(f"rank {f.detail['rank']}'s stdout.log has no lost-output marker "
                           "followed by the flood written after the disk was freed")
