@@ -56,7 +56,7 @@ class Stall(msgspec.Struct, frozen=True):
         return {"cause": self.kind, "seconds": round(self.seconds, 3)}
 
 
-StallListener = Callable[[Stall], None]
+StallListener = Callable[[Stall], object]  # what it returns is ignored
 
 
 class LoopLag:

@@ -97,7 +97,7 @@ _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 # ------------------------------------------------------------------ sinks
 
 
-LossListener = Callable[[str, dict[str, Any]], None]
+LossListener = Callable[[str, dict[str, Any]], object]  # what it returns is ignored
 """Told ``(event, fields)`` when output starts being lost and when the loss is known:
 ``("output_write_failed", {file, error})`` and ``("output_lost", {file, bytes, resumed})``.
 The composition root passes them on to the event log."""
