@@ -23,7 +23,7 @@ import pytest
 from msgspec.structs import replace
 
 from supervisor.core.snapshot import MAX_MESSAGE_CHARS, FailureView, cap_text
-from supervisor.health.server import MAX_CONNECTIONS, ConnectionLedger
+from supervisor.health.server import MAX_CONNECTIONS, ConnectionLedger, load_openapi
 from supervisor.workers.attemptdir import MAX_SKIPPED, create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
 from tests.conftest import FAKE_WORKER, supervisor
@@ -329,3 +329,9 @@ async def test_daemon_answers_healthz_with_70_idle_connections_open(tmp_path: Pa
         finally:
             for stream in idle:
                 await stream.aclose()
+
+
+def test_openapi_documents_the_message_cap() -> None:
+    failure = json.loads(load_openapi())["components"]["schemas"]["Failure"]["properties"]
+    assert failure["message"]["maxLength"] == MAX_MESSAGE_CHARS
+    assert failure["description"]["maxLength"] == MAX_MESSAGE_CHARS
