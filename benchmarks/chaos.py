@@ -16,6 +16,12 @@ every 0.2 s. For SECONDS the harness injects, at random:
   fill its pipe, then crash a worker: the restart must not block on the pipe);
 - ``flood`` (a worker writes thousands of lines at once), ``grandchild`` (SIGKILL a
   worker's grandchild), ``sigusr1`` (to the supervisor: forwarded to every worker);
+- ``frozen`` (the supervisor itself is SIGSTOPped for longer than the workers' ``loop``
+  deadline, then SIGCONTed: no worker may be killed as hung, the same group answers a
+  forwarded SIGUSR1 afterwards);
+- ``diskfull`` (only with ``--disk-full``, as root: the log directory is a tmpfs; it is
+  filled while a worker floods, then freed: the rank's ``stdout.log`` must carry the
+  supervisor's "bytes of output lost" marker followed by what the worker wrote after);
 - in the background, all the time: ``fifo`` (garbage, oversized lines and forged requests
   naming foreign processes, the supervisor, its guardian and pid 1 written to the deadline
   FIFO), ``http`` (probe storms: every path and method, unknown paths, raw garbage) and
@@ -35,8 +41,11 @@ they get. At the end the harness checks, and counts a violation for each failure
   descendant) is left;
 - foreign processes alive, never stopped, never signalled;
 - the supervisor's fds and threads back to within a small bound of the start, and RSS too;
+- after a ``frozen`` fault, no ``deadline_expired`` for the frozen group's ``loop`` scope
+  and a logged stall; after a ``diskfull`` fault, the lost-output marker in the rank's log;
 - every attempt's log directory exists with every rank's files.
 
+HTTP latencies of requests in flight during a freeze are left out of the figures.
 Prints a table (faults by kind: injected, survived, violations) and exits 1 on any
 violation. Progress goes to stderr. Nothing here is used by the library.
 """
@@ -51,6 +60,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -75,6 +85,9 @@ MARK = "CHAOS_RUN"  # in the supervisor's environment: every worker and descenda
 FOREIGN_MARK = "CHAOS_FOREIGN"  # processes the supervisor must never touch
 SHUTDOWN_TIMEOUT = 2.0  # the supervisor's grace before SIGKILL (a SIGSTOPped worker needs it)
 LOOP_DEADLINE = 4.0  # every worker renews a deadline this long every 0.2 s
+FREEZE = LOOP_DEADLINE + 1.0  # the ``frozen`` fault stops the supervisor this long
+LOG_TMPFS_SIZE = "256m"  # the log directory's tmpfs with --disk-full
+LOST_MARKER = b"bytes of output lost here: "
 HANG_DEADLINE = 0.3
 DESTRUCTIVE = ("crash", "sigkill", "hang", "sigstop", "sigstop+crash", "guardian-stop")
 WAIT = 40.0  # longest wait for any one consequence (a restart, a reply)
@@ -168,6 +181,18 @@ print("up", flush=True)
 while True:
     time.sleep(3600)
 '''
+
+
+def fill_disk(path: Path) -> None:
+    """Write zeros to ``path`` until its file system is full."""
+    block = b"\0" * (1 << 20)
+    with open(path, "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            while f.write(block):
+                pass
+        with contextlib.suppress(OSError):
+            while f.write(b"\0" * 4096):
+                pass
 
 
 def log(msg: str) -> None:
@@ -476,6 +501,9 @@ class Chaos:
         self.stop_injecting = anyio.Event()
         self.floods = 0
         self.tail = EventTail(self.root / "logs" / "chaos" / "events.jsonl", self.board)
+        self.log_tmpfs: Path | None = None
+        self.freeze_epoch = 0  # counts SIGSTOPs and SIGCONTs of the supervisor
+        self.fifo_quiet = anyio.Lock()  # held by a FIFO fault, or by a freeze
 
     # -- set-up ------------------------------------------------------------------
     @property
@@ -491,7 +519,26 @@ class Chaos:
         log("VIOLATION: " + text)
         self.violations.append(text)
 
+    def mount_log_tmpfs(self) -> None:
+        """``--disk-full``: the log directory becomes a tmpfs the harness can fill."""
+        logs = self.root / "logs"
+        logs.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={LOG_TMPFS_SIZE}", "tmpfs",
+                               str(logs)], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            log(f"--disk-full: cannot mount a tmpfs ({done.stderr.strip()}); fault disabled")
+            return
+        self.log_tmpfs = logs
+
+    def unmount_log_tmpfs(self) -> None:
+        if self.log_tmpfs is not None:
+            subprocess.run(["umount", "-l", str(self.log_tmpfs)], capture_output=True,
+                           check=False)
+            self.log_tmpfs = None
+
     async def start(self) -> None:
+        if self.args.disk_full:
+            self.mount_log_tmpfs()
         (self.root / "worker.py").write_text(WORKER)
         (self.root / "cmd").mkdir()
         env = {k: v for k, v in os.environ.items()
@@ -661,6 +708,85 @@ class Chaos:
             tg.cancel_scope.cancel()
         fault.observed = True
 
+    async def frozen(self) -> None:
+        """SIGSTOP the supervisor past the workers' deadline; SIGCONT; the group lives on."""
+        restart, group = self.current()
+        fault = Fault("frozen", time.monotonic(), self.pid,
+                      {"restart": restart, "pids": sorted(p for p, _ in group.values())})
+        self.faults.append(fault)
+        assert self.proc is not None
+        # no FIFO garbage meanwhile: lines over PIPE_BUF written into a FIFO that fills
+        # during the freeze are torn and corrupt the workers' own requests (security.md)
+        async with self.fifo_quiet:
+            await self.freeze(fault, restart)
+
+    async def freeze(self, fault: Fault, restart: int) -> None:
+        assert self.proc is not None
+        self.freeze_epoch += 1  # odd while frozen
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            await anyio.sleep(FREEZE)  # the fault itself lasts this long
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
+            self.freeze_epoch += 1
+        try:
+            await self.sigusr1()  # every rank of the same group must still answer
+        except TimeoutError:
+            fault.problems.append(f"the group did not answer SIGUSR1 after a {FREEZE:g} s "
+                                  "freeze (killed as hung?)")
+            return
+        if self.board.restart != restart:
+            fault.problems.append(f"the group restarted after a {FREEZE:g} s freeze")
+            return
+        fault.detail["confirmed"] = time.monotonic()  # the same clock as the events' "mono"
+        fault.observed = True
+
+    async def diskfull(self) -> None:
+        """Fill the log tmpfs while a worker floods; free it; the gap is marked."""
+        assert self.log_tmpfs is not None
+        restart, group = self.current()
+        rank = self.rng.choice(sorted(group))
+        pid = group[rank][0]
+        self.floods += 1
+        lost_tag, after_tag = f"f{self.floods}", f"f{self.floods}b"
+        fault = Fault("diskfull", time.monotonic(), pid,
+                      {"restart": restart, "rank": rank, "tag": after_tag})
+        self.faults.append(fault)
+        [attempt_dir] = [e["dir"] for e in self.board.events_named("group_started")
+                         if pid in e["pids"].values()] or [None]
+        failing = f"cannot write {attempt_dir}/{rank}/stdout.log"
+        resumed = f"writing {attempt_dir}/{rank}/stdout.log again"
+        seen, seen_resumed = self.stderr_count(failing), self.stderr_count(resumed)
+        filler = self.log_tmpfs / f"filler.{self.floods}"
+        fill_disk(filler)
+        try:
+            self.command(pid, f"flood {lost_tag} 2000")
+            await self.board.wait_for(f"end of flood {lost_tag}",
+                                      lambda: lost_tag in self.board.flooded)
+            await self.wait_stderr(failing, seen + 1)  # this time, this rank's file
+        finally:
+            filler.unlink()
+        self.command(pid, f"flood {after_tag} 10")
+        await self.board.wait_for(f"end of flood {after_tag}",
+                                  lambda: after_tag in self.board.flooded)
+        try:  # the marker is written, and this line logged, when writing works again
+            await self.wait_stderr(resumed, seen_resumed + 1)
+        except TimeoutError:
+            fault.problems.append(f"no '{resumed}' in the supervisor's log")
+        if self.board.restart != restart:
+            fault.problems.append("the group restarted when the log disk was full")
+        fault.observed = True
+
+    def stderr_count(self, text: str) -> int:
+        """How many times the supervisor's log (a file here) has said ``text``."""
+        return (self.root / "supervisor.err").read_bytes().count(text.encode())
+
+    async def wait_stderr(self, text: str, times: int) -> None:
+        """Until the supervisor's log has said ``text`` ``times`` times."""
+        with anyio.fail_after(WAIT):
+            while self.stderr_count(text) < times:
+                await anyio.sleep(0.05)  # pacing: a file announces nothing
+
     async def grandchild(self) -> None:
         _, group = self.current()
         rank = self.rng.choice(sorted(group))
@@ -714,6 +840,12 @@ class Chaos:
         lines = fifo_lines(self.rng, targets)
         fault = Fault("fifo", time.monotonic(), None, {"lines": len(lines)})
         self.faults.append(fault)
+        async with self.fifo_quiet:
+            await self.write_fifo(lines)
+        fault.observed = True
+
+    async def write_fifo(self, lines: list[tuple[bytes, str]]) -> None:
+        assert self.board.fifo is not None
         fd = os.open(self.board.fifo, os.O_WRONLY | os.O_NONBLOCK)
         try:
             for line, reason in lines:
@@ -726,11 +858,10 @@ class Chaos:
                 self.fifo_expected[reason] += 1
         finally:
             os.close(fd)
-        fault.observed = True
 
     async def probe(self, session: aiohttp.ClientSession, method: str, path: str) -> int | None:
         label = path.split("?")[0]
-        started = time.monotonic()
+        started, epoch = time.monotonic(), self.freeze_epoch
         try:
             async with session.request(method, self.url + path,
                                        timeout=aiohttp.ClientTimeout(total=10)) as resp:
@@ -739,7 +870,8 @@ class Chaos:
         except (aiohttp.ClientError, TimeoutError) as exc:
             self.violate(f"HTTP {method} {path}: {type(exc).__name__}: {exc}")
             return None
-        self.http_latency.append(time.monotonic() - started)
+        if epoch == self.freeze_epoch and epoch % 2 == 0:  # a freeze is not server latency
+            self.http_latency.append(time.monotonic() - started)
         known = label in ("/healthz", "/readyz", "/status", "/metrics", "/openapi.json")
         if method in ("GET", "HEAD"):
             allowed = ({200, 503} if label in ("/healthz", "/readyz") else {200}) if known \
@@ -809,7 +941,12 @@ class Chaos:
     async def main_loop(self, until: float) -> None:
         kinds = {"crash": 3, "sigkill": 2, "hang": 2, "sigstop": 1, "sigstop+crash": 1,
                  "guardian-stop": 1,
-                 "flood": 2, "grandchild": 2, "sigusr1": 2}
+                 "flood": 2, "grandchild": 2, "sigusr1": 2, "frozen": 1}
+        if self.log_tmpfs is not None:
+            kinds["diskfull"] = 1
+        if self.args.kinds:
+            wanted = set(self.args.kinds.split(","))
+            kinds = {k: w for k, w in kinds.items() if k in wanted} or kinds
         names, weights = list(kinds), list(kinds.values())
         while time.monotonic() < until:
             restart = self.board.restart
@@ -820,7 +957,8 @@ class Chaos:
                 await self.destructive(kind)
             else:
                 await {"flood": self.flood, "grandchild": self.grandchild,
-                       "sigusr1": self.sigusr1}[kind]()
+                       "sigusr1": self.sigusr1, "frozen": self.frozen,
+                       "diskfull": self.diskfull}[kind]()
             await anyio.sleep(self.rng.uniform(0.05, 0.4))  # pacing
 
     async def warm_up(self) -> None:
@@ -831,6 +969,9 @@ class Chaos:
         await self.flood()
         await self.sighup()
         await self.sigusr1()
+        await self.frozen()
+        if self.log_tmpfs is not None:
+            await self.diskfull()
         await self.settle()
         self.usage_start = Usage.of(self.pid)
         log(f"baseline: {self.usage_start}")
@@ -1003,6 +1144,10 @@ class Chaos:
                 self._check_destructive(f, exits, stopping)
             elif f.kind == "flood":
                 self._check_flood(f)
+            elif f.kind == "diskfull":
+                self._check_diskfull(f)
+            elif f.kind == "frozen":
+                self._check_frozen(f)
             elif f.kind == "grandchild" and psutil.pid_exists(f.victim or 0) \
                     and proc_state(f.victim or 0) not in ("Z", None):
                 f.problems.append(f"grandchild {f.victim} still alive")
@@ -1051,6 +1196,31 @@ class Chaos:
             if log_file.exists() and last in log_file.read_bytes():
                 return
         f.problems.append(f"the flood's last line is not in rank {f.detail['rank']}'s stdout.log")
+
+    def _check_diskfull(self, f: Fault) -> None:
+        dirs = {e["dir"] for e in self.board.events_named("group_started")
+                if f.victim in e["pids"].values()}
+        last = f"flood {f.detail['tag']} 9 ".encode()
+        for d in dirs:
+            log_file = Path(d) / str(f.detail["rank"]) / "stdout.log"
+            data = log_file.read_bytes() if log_file.exists() else b""
+            end = data.find(last)
+            if end >= 0 and data.rfind(LOST_MARKER, 0, end) >= 0:
+                return
+        f.problems.append(f"rank {f.detail['rank']}'s stdout.log has no lost-output marker "
+                          "followed by the flood written after the disk was freed")
+
+    def _check_frozen(self, f: Fault) -> None:
+        # a worker of the frozen group may die later, by a later fault (a SIGSTOPped
+        # worker's loop deadline expires): only an expiry between the freeze and the
+        # group's answer to SIGUSR1 is this fault's doing
+        until = f.detail.get("confirmed", math.inf)
+        hung = [e for e in self.board.events_named("deadline_expired")
+                if e.get("pid") in f.detail["pids"] and f.at <= e.get("mono", 0) <= until]
+        if hung:
+            f.problems.append(f"killed as hung after the freeze: {hung}")
+        if b"event loop stalled" not in (self.root / "supervisor.err").read_bytes():
+            f.problems.append("the supervisor did not report its stall")
 
     def check_attempt_dirs(self) -> None:
         for e in self.board.events_named("group_started"):
@@ -1114,6 +1284,10 @@ class Chaos:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+        if self.args.keep and self.log_tmpfs is not None:
+            log(f"log tmpfs left mounted at {self.log_tmpfs} (--keep)")
+        else:
+            self.unmount_log_tmpfs()
 
     def report(self, wall: float, signalled: int) -> Report:
         table: dict[str, dict[str, int]] = {}
@@ -1179,6 +1353,10 @@ def main(argv: Iterable[str] | None = None) -> int:
     p.add_argument("--max-restarts", type=int, default=100000)
     p.add_argument("--json", default=None, help="write the report as JSON here")
     p.add_argument("--keep", action="store_true", help="keep the run directory")
+    p.add_argument("--kinds", default="",
+                   help="only these main-loop faults, comma-separated (e.g. frozen,diskfull)")
+    p.add_argument("--disk-full", action="store_true",
+                   help="put the logs on a tmpfs and inject 'diskfull' faults (needs root)")
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(10**6)

@@ -266,6 +266,8 @@ async def supervise(
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
     reporter = StatusReporter(notifier)
     lag = LoopLag()
+    lag.add_listener(lambda stall: events.emit("loop_stall", **stall.fields()))
+    output.loss.listeners.append(lambda name, fields: events.emit(name, **fields))
     progress = ProgressTable()
     if not embedded:
         set_child_subreaper()
@@ -299,6 +301,7 @@ async def supervise(
             await tg.start(output.run)
             await tg.start(rendezvous.run)
             await tg.start(lag.run)
+            await tg.start(events.retry_pending)
             await tg.start(guardian.run)
             watchdog = None
             if timer_file is not None:
@@ -476,6 +479,9 @@ async def serve_when_launched(
 
     metrics = Metrics(started=controller.started)
     controller.attach_late(metrics)
+    metrics.watch_loop(lag)
+    metrics.watch_event_log(controller.events)
+    metrics.watch_output(controller.output.loss)
     if watchdog is not None:
         watchdog.metrics = metrics
     serve = functools.partial(serve_health, sock=sock)

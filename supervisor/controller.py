@@ -382,6 +382,7 @@ class Controller:
             self.events.emit("attempt_prepare_failed", message=str(exc))
             self._apply(sm.LaunchFailed(decision.attempt, str(exc), time.monotonic()))
             return
+        self.events.attempt = self.shown_attempt(decision.attempt)  # a taken K was skipped
         self._tg.start_soon(group.supervise, attempt, self._watch_membership)
         layout = attempt.layout
         self.events.emit(
@@ -494,6 +495,7 @@ class Controller:
         )
 
     def _summarise(self) -> None:
+        self._summarise_losses()
         s = self.state
         if s.phase is sm.Phase.SUCCEEDED:
             unchecked = self.rendezvous.backend == "static" and self.settings.max_nodes > 1
@@ -526,6 +528,16 @@ class Controller:
             )
             lines.append(f"  local rank {worker.local_rank} pid {worker.pid}: {outcome}")
         logger.error("\n".join(lines))
+
+    def _summarise_losses(self) -> None:
+        """What a full disk cost: event-log records and worker output never written."""
+        lost_events = self.events.loss_summary()
+        if lost_events:
+            logger.warning("%s", lost_events)
+        lost_output = self.output.loss.lost_bytes
+        if lost_output:
+            logger.warning("%d bytes of worker output could not be written to the log files "
+                           "(each gap is marked in its file)", lost_output)
 
     def _rank_files(self, failure: sm.Failure) -> list[str]:
         """Summary lines naming the failed rank's files that exist: its error file, its

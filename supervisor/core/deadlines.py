@@ -23,6 +23,7 @@ import math
 from collections.abc import Iterator
 
 import msgspec
+import msgspec.structs
 
 PIPE_BUF = 4096  # longest line (without its newline) a writer can post atomically
 WIRE_VERSION = 1
@@ -220,6 +221,19 @@ class DeadlineTable:
             expired.append(Expired(top, now_mono - top.expires_at))
             self.drop_pid(top.pid)
         return expired
+
+    def postpone_until(self, at_least: float) -> int:
+        """Move every deadline earlier than ``at_least`` (monotonic) to it; returns how many.
+
+        Used after a stall of the supervisor's loop: time in which nothing could be
+        observed (not even a renewal) must not count against the workers, so each one
+        gets at least until ``at_least`` to be heard from again. Never shortens a deadline.
+        """
+        moved = [d for _, d in self._live.values() if d.expires_at < at_least]
+        for deadline in moved:
+            self._put((deadline.pid, deadline.scope),
+                      msgspec.structs.replace(deadline, expires_at=at_least))
+        return len(moved)
 
     def drop_pid(self, pid: int) -> int:
         """Remove every deadline of ``pid`` (it exited or is being stopped); returns how many."""

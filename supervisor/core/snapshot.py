@@ -11,6 +11,28 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import msgspec
+import msgspec.structs
+
+MAX_MESSAGE_CHARS = 4096
+"""The longest failure ``message`` and ``description`` a snapshot keeps, in characters.
+
+A worker's error file may hold a message of up to 1 MiB, and ``description`` repeats it:
+uncapped, ``/status`` answered 2 MB to every prober. The full text stays in the error
+file (its path is in the view); readers get the first ``MAX_MESSAGE_CHARS`` characters
+and a marker saying how many were left out.
+"""
+
+
+def cap_text(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``text`` if it fits in ``limit`` characters, else its head and a truncation marker.
+
+    The result is never longer than ``limit`` characters (for ``limit`` >= 64: the marker
+    takes at most 46 of them).
+    """
+    if len(text) <= limit:
+        return text
+    keep = max(0, limit - 64)
+    return f"{text[:keep]} ... [{len(text) - keep} more characters cut]"
 
 
 class WorkerView(msgspec.Struct, frozen=True):
@@ -36,6 +58,13 @@ class FailureView(msgspec.Struct, frozen=True):
     description: str
     at_wall: float
     error_file: str | None = None
+
+    def __post_init__(self) -> None:
+        # capped here, where every reader's copy is made: /status, STATUS=, the summary
+        for name in ("message", "description"):
+            text = getattr(self, name)
+            if len(text) > MAX_MESSAGE_CHARS:
+                msgspec.structs.force_setattr(self, name, cap_text(text))
 
 
 class RendezvousView(msgspec.Struct, frozen=True):

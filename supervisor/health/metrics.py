@@ -18,11 +18,14 @@ test process, and the global registry would mix them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import Enum as EnumMetric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from supervisor.core import state as sm
 from supervisor.core.snapshot import Snapshot
@@ -37,6 +40,48 @@ OTHER_PATH = "other"
 
 _PHASES = tuple(p.value for p in sm.Phase)
 _RENDEZVOUS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+
+
+class StallCounts(Protocol):
+    """What ``health.looplag.LoopLag`` counts about stalls of the loop."""
+
+    stalls: int
+    stalled_seconds: float
+
+
+class EventLogCounts(Protocol):
+    """What ``events.EventLog`` counts about events it could not write."""
+
+    @property
+    def dropped(self) -> int: ...
+
+    @property
+    def pending(self) -> int: ...
+
+
+class OutputLossCounts(Protocol):
+    """What the worker output pipeline counts about output it could not write."""
+
+    @property
+    def lost_bytes(self) -> int: ...
+
+    @property
+    def write_errors(self) -> int: ...
+
+
+class _Pulled(Collector):
+    """Series read at scrape time from an object that counts on its own (it exists, and
+    counts, before the metrics do: they are created after the first launch)."""
+
+    def __init__(self, read: Callable[[], Iterable[Metric]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._read())
+
+
+def _counter_family(name: str, doc: str, value: float) -> Metric:
+    return CounterMetricFamily(f"{NAMESPACE}_{name}", doc, value=value)
 
 
 class Metrics:
@@ -92,6 +137,10 @@ class Metrics:
         self.prepare_failures = self._counter(
             "attempt_prepare_failures",
             "Attempts the supervisor could not prepare (its own failure: full disk...).",
+        )
+        self.http_evictions = self._counter(
+            "http_connections_evicted",
+            "Health connections closed at the connection cap before sending a request.",
         )
 
     def _make_watchdog_counters(self) -> None:
@@ -190,6 +239,45 @@ class Metrics:
         """One HTTP request was answered; unknown paths share one label value."""
         label = path if path in HTTP_PATHS else OTHER_PATH
         self.http_requests.labels(label, str(code)).inc()
+
+    def record_http_eviction(self) -> None:
+        """A waiting connection was closed to make room for a new one at the cap."""
+        self.http_evictions.inc()
+
+    # ------------------------------------------------- counts kept by their owners
+
+    def watch_loop(self, lag: StallCounts) -> None:
+        """Export the loop's stall counts (``event_loop_stalls_total``, ``..._seconds``)."""
+
+        def read() -> Iterable[Metric]:
+            yield _counter_family("event_loop_stalls", "Stalls of the event loop (or suspends "
+                                  "of the machine) longer than the stall threshold.", lag.stalls)
+            yield _counter_family("event_loop_stalled_seconds", "Seconds the event loop "
+                                  "stood still in those stalls.", lag.stalled_seconds)
+
+        self.registry.register(_Pulled(read))
+
+    def watch_event_log(self, log: EventLogCounts) -> None:
+        """Export events the event log could not write (disk full): dropped and pending."""
+
+        def read() -> Iterable[Metric]:
+            yield _counter_family("events_dropped", "Events lost: the event log could not "
+                                  "write them and its buffer was full.", log.dropped)
+            yield GaugeMetricFamily(f"{NAMESPACE}_events_pending", "Events held in memory "
+                                    "until the event log can be written again.", value=log.pending)
+
+        self.registry.register(_Pulled(read))
+
+    def watch_output(self, output: OutputLossCounts) -> None:
+        """Export worker output that could not be written to the log files."""
+
+        def read() -> Iterable[Metric]:
+            yield _counter_family("output_lost_bytes", "Bytes of worker output that could "
+                                  "not be written to their log files.", output.lost_bytes)
+            yield _counter_family("output_write_errors", "Failed writes of worker output to "
+                                  "log files.", output.write_errors)
+
+        self.registry.register(_Pulled(read))
 
     # ----------------------------------------------------------------------- state
 

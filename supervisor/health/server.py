@@ -206,7 +206,7 @@ async def serve_health(
     )
     await runner.setup()
     assert runner.server is not None
-    cap_connections(runner.server, MAX_CONNECTIONS)
+    cap_connections(runner.server, MAX_CONNECTIONS, metrics.record_http_eviction)
     try:
         site: web.BaseSite = (
             web.SockSite(runner, sock) if sock is not None else web.TCPSite(runner, host, port)
@@ -225,20 +225,93 @@ async def serve_health(
             logger.warning("health server cleanup took over %.1f s; abandoned", CLEANUP_TIMEOUT)
 
 
-def cap_connections(server: web.Server, limit: int) -> None:
-    """Close each new connection at once while ``limit`` are open.
+class ConnectionLedger:
+    """The open connections, split into those handling a request and the rest.
+
+    A connection is *waiting* from its opening, and again from the end of each response,
+    until it has delivered a complete request; it is *busy* while its request is handled.
+    ``waiting`` is ordered by how long each has been waiting, oldest first. At the cap the
+    oldest waiting connection is closed to make room: an attacker's idle or half-sent
+    connections are always older than a probe that has just connected, so a probe always
+    gets through, however fast the attacker reconnects (it can only push its own
+    connections out). Busy connections are never closed for room.
+    """
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise ValueError(f"connection limit must be >= 1, got {limit}")
+        self.limit = limit
+        self._waiting: dict[object, asyncio.BaseTransport] = {}
+        self._busy: dict[object, asyncio.BaseTransport] = {}
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._waiting) + len(self._busy)
+
+    def opened(
+        self, conn: object, transport: asyncio.BaseTransport
+    ) -> asyncio.BaseTransport | None:
+        """A connection opened; returns the transport to close to stay within the limit."""
+        self._waiting[conn] = transport
+        if len(self) <= self.limit:
+            return None
+        oldest = next(iter(self._waiting))  # the new one itself if every other is busy
+        self.evicted += oldest is not conn
+        return self._waiting.pop(oldest)
+
+    def closed(self, conn: object) -> None:
+        """A connection is gone (closed by either side)."""
+        self._waiting.pop(conn, None)
+        self._busy.pop(conn, None)
+
+    def request_started(self, conn: object) -> None:
+        """A complete request arrived on ``conn`` and is being handled."""
+        transport = self._waiting.pop(conn, None)
+        if transport is not None:
+            self._busy[conn] = transport
+
+    def request_done(self, conn: object) -> None:
+        """The response was handed to the transport: waiting again, as the newest."""
+        transport = self._busy.pop(conn, None)
+        if transport is not None:
+            self._waiting[conn] = transport
+
+
+def cap_connections(
+    server: web.Server, limit: int, on_evict: Callable[[], None] | None = None
+) -> ConnectionLedger:
+    """At ``limit`` open connections, close the oldest one still waiting for a request.
 
     A prober that opens connections and never finishes a request would otherwise take
-    every file descriptor, and the next restart could not spawn its workers.
+    every file descriptor, and the next restart could not spawn its workers; refusing
+    new connections instead (as before) let 64 idle ones lock the probes out.
     """
-    made = server.connection_made
+    ledger = ConnectionLedger(limit)
+    made, lost, handle = server.connection_made, server.connection_lost, server.request_handler
 
     def connection_made(handler: RequestHandler, transport: asyncio.Transport) -> None:
         made(handler, transport)
-        if len(server.connections) > limit:
-            transport.close()
+        victim = ledger.opened(handler, transport)
+        if victim is not None:
+            victim.close()  # what was written to it is still flushed first
+            if victim is not transport and on_evict is not None:
+                on_evict()
+
+    def connection_lost(handler: RequestHandler, exc: BaseException | None = None) -> None:
+        ledger.closed(handler)
+        lost(handler, exc)
+
+    async def request_handler(request: web.BaseRequest) -> web.StreamResponse:
+        ledger.request_started(request.protocol)
+        try:
+            return await handle(request)
+        finally:
+            ledger.request_done(request.protocol)
 
     server.connection_made = connection_made  # type: ignore[method-assign]
+    server.connection_lost = connection_lost  # type: ignore[method-assign]
+    server.request_handler = request_handler
+    return ledger
 
 
 def load_openapi() -> bytes:

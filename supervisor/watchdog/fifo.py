@@ -190,6 +190,15 @@ class FifoReader:
                 lines, oversized = self._buffer.feed(data)
                 return Batch(lines, oversized)
 
+    def read_now(self) -> Batch:
+        """What the FIFO holds right now, without waiting (an empty batch if nothing).
+
+        The deadline timer calls this before it judges: after a stall of the loop the
+        readiness callback may not have run yet, while renewals sit unread in the FIFO.
+        """
+        lines, oversized = self._buffer.feed(self._drain())
+        return Batch(lines, oversized)
+
     def _drain(self) -> bytes:
         chunks: list[bytes] = []
         for _ in range(_MAX_CHUNKS_PER_WAKEUP):

@@ -66,6 +66,10 @@ class WatchdogConfig(msgspec.Struct, frozen=True):
     dump_path: Callable[[int, int], Path | None] | None = None  # (local_rank, pid) -> file
     max_scopes_per_pid: int = DEFAULT_MAX_SCOPES_PER_PID
     log_interval: float = 10.0  # rejected requests: at most one log line per reason per interval
+    # the timer woke this much later than asked: the loop stalled (blocked, SIGSTOPped,
+    # starved) and deadlines fell due while nothing, not even a renewal, could be seen
+    stall_threshold: float = 1.0
+    max_stall_grace: float = 30.0  # the most a stall can postpone a judgement
 
 
 # ----------------------------------------------------------------------- counting
@@ -88,6 +92,8 @@ class WatchdogStats:
     accepted: int = 0
     rejected: collections.Counter[str] = field(default_factory=collections.Counter)
     expired: collections.Counter[str] = field(default_factory=collections.Counter)
+    stalls: int = 0  # times the timer woke late by over ``stall_threshold``
+    postponed: int = 0  # deadlines given more time because of those stalls
 
     def request_accepted(self) -> None:
         self.accepted += 1
@@ -202,6 +208,8 @@ class Watchdog:
         self._escalations: set[anyio.CancelScope] = set()
         self._escalating: set[int] = set()  # pids
         self._tg: anyio.abc.TaskGroup | None = None
+        self._reader: FifoReader | None = None
+        self._armed_at = 0.0  # monotonic: when the timer last went to sleep
         self.attempt = 0
         self.stats = WatchdogStats()
 
@@ -237,7 +245,7 @@ class Watchdog:
             open_fifo_reader(self._path, PIPE_BUF) as reader,
             anyio.create_task_group() as tg,
         ):
-            self._tg = tg
+            self._tg, self._reader = tg, reader
             tg.start_soon(self._run_timer)
             task_status.started(reader.path)
             await self._tail(reader)
@@ -315,11 +323,41 @@ class Watchdog:
             self._wakeup = anyio.Event()
             nearest = self._table.next_deadline()
             self._timer_target = math.inf if nearest is None else nearest
+            self._armed_at = anyio.current_time()
             with anyio.move_on_at(self._timer_target):
                 await self._wakeup.wait()
-            now = anyio.current_time()
-            for expired in self._table.pop_expired(now):
-                self._start_escalation(expired, now)
+            self._judge(anyio.current_time())
+
+    def _judge(self, now: float) -> None:
+        """Escalate against what expired, but only after hearing what the FIFO holds.
+
+        After a stall the readiness callback of the FIFO may run after this timer (both
+        became due while the loop stood still): read the FIFO first, so renewals that sat
+        unread count. A stall also postpones what fell due during it (``_ride_out``).
+        """
+        late = now - self._timer_target
+        if late > self._config.stall_threshold:
+            self._ride_out(late, now)
+        if self._reader is not None:
+            self._handle_batch(self._reader.read_now())
+        for expired in self._table.pop_expired(now):
+            self._start_escalation(expired, now)
+
+    def _ride_out(self, late: float, now: float) -> None:
+        """The timer woke ``late`` seconds late: the loop stalled, and nothing could be
+        observed meanwhile, not even a renewal (a worker may have been starved too, if
+        the whole machine was, or its requests dropped while the FIFO was full). The stall
+        began after the timer went to sleep and lasted at least ``late``: every deadline
+        gets at least ``now - armed_at`` again (bounded by ``max_stall_grace``), before the
+        FIFO is read, so that what a worker posted since still decides. A hung worker is
+        still caught, at most that much later."""
+        unobserved = max(late, now - self._armed_at)
+        grace = min(unobserved, self._config.max_stall_grace)
+        moved = self._table.postpone_until(now + grace)
+        self.stats.stalls += 1
+        self.stats.postponed += moved
+        logger.warning("watchdog timer woke %.3f s late (the supervisor stalled): %d deadline(s) "
+                       "get %.3f s more before they are judged", late, moved, grace)
 
     def _start_escalation(self, expired: Expired, now: float) -> None:
         pid = expired.pid

@@ -52,18 +52,36 @@ def _number(value: Any) -> float | None:
 def read_error_file(path: str | Path) -> ErrorReport | None:
     """The report in ``path``, or None if missing, not a regular file or unreadable.
 
-    Never raises and never blocks: the worker chose what is at ``path`` (a FIFO there
-    must not stop the event loop, deep nesting must not escape as RecursionError).
+    Never raises and never blocks: the worker chose what is at ``path``. A FIFO there must
+    not stop the event loop, deep nesting must not escape as RecursionError, and nothing
+    is followed through a symlink: a worker that links ``error.json`` to another file
+    (a secret the supervisor's uid can read) must not get that file's text shown as the
+    failure message in ``/status``. Devices and FIFOs are refused before they are opened
+    (``lstat``), and the opened file is checked again (``fstat``: the same regular file),
+    so a swap between the two checks is refused too.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        seen = os.lstat(path)
     except OSError:
+        return None
+    if not stat.S_ISREG(seen.st_mode):
+        return None
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_NOCTTY | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags)
+    except OSError:  # ELOOP: a symlink swapped in since the lstat
         return None
     try:
         with open(fd, encoding="utf-8", errors="replace") as f:  # owns fd from here
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            if not _same_regular_file(os.fstat(fd), seen):
                 return None
             text = f.read(MAX_ERROR_FILE)
         return parse_error_file(json.loads(text))
     except (OSError, ValueError, RecursionError):
         return None
+
+
+def _same_regular_file(opened: os.stat_result, seen: os.stat_result) -> bool:
+    return stat.S_ISREG(opened.st_mode) and (opened.st_dev, opened.st_ino) == (
+        seen.st_dev, seen.st_ino
+    )

@@ -29,6 +29,7 @@ from supervisor.core.envs import GroupLayout, interpreter, worker_argv, worker_e
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import RendezvousResult
 from supervisor.workers import autopreload
+from supervisor.workers.attemptdir import create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.output import OutputPlan
@@ -181,9 +182,14 @@ class WorkerGroup:
             max_restarts=self.settings.max_restarts,
             virtual_local_rank=self.settings.virtual_local_rank,
         )
-        attempt = Attempt(
-            number, dir_index, self.log_root / self.run_id / f"attempt_{dir_index}", rnd, layout
-        )
+        run_dir = self.log_root / self.run_id
+        try:  # exclusively: a worker cannot plant files for its successor
+            created = create_attempt_dir(run_dir, dir_index, layout.local_world_size)
+        except OSError as exc:
+            raise AttemptPrepError(f"cannot prepare {run_dir / f'attempt_{dir_index}'}: "
+                                   f"{exc}") from exc
+        self.dir_base += created.index - dir_index  # a taken index was skipped
+        attempt = Attempt(number, created.index, created.path, rnd, layout)
         specs = self._prepare(attempt)  # raises AttemptPrepError: nothing was started
         self.attempt = attempt
         self._cold, self._pending_cold = self._pending_cold, {}
@@ -214,8 +220,7 @@ class WorkerGroup:
         specs: list[WorkerSpec] = []
         try:
             for local_rank in range(attempt.layout.local_world_size):
-                rank_dir = attempt.directory / str(local_rank)
-                rank_dir.mkdir(parents=True, exist_ok=True)
+                rank_dir = attempt.directory / str(local_rank)  # made with the attempt's
                 env = self._rank_env(attempt, local_rank)
                 global_rank = attempt.layout.rank_offset + local_rank
                 argv = self.command(local_rank, global_rank, rank_dir)

@@ -55,7 +55,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -81,7 +81,7 @@ from supervisor.workers.logs import (
 if TYPE_CHECKING:
     from supervisor.config import Settings
 
-__all__ = ["OutputPlan", "OutputSpecError", "parse_std_map"]
+__all__ = ["OutputLoss", "OutputPlan", "OutputSpecError", "parse_std_map"]
 
 logger = logging.getLogger(__name__)
 
@@ -97,27 +97,95 @@ _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 # ------------------------------------------------------------------ sinks
 
 
-class LogFile:
-    """A raw log file, appended to with whole chunks; ``reopen()`` follows logrotate."""
+LossListener = Callable[[str, dict[str, Any]], object]  # what it returns is ignored
+"""Told ``(event, fields)`` when output starts being lost and when the loss is known:
+``("output_write_failed", {file, error})`` and ``("output_lost", {file, bytes, resumed})``.
+The composition root passes them on to the event log."""
 
-    def __init__(self, path: Path) -> None:
+
+@dataclass
+class OutputLoss:
+    """Worker output that could not be written to its log files, over the whole run.
+
+    Kept by the output plan from its start (``Metrics.watch_output`` exports it later).
+    """
+
+    lost_bytes: int = 0
+    write_errors: int = 0  # failed writes (one per chunk that could not be written whole)
+    listeners: list[LossListener] = field(default_factory=list)
+
+    def tell(self, event: str, **fields: Any) -> None:
+        for listener in self.listeners:
+            try:
+                listener(event, fields)
+            except Exception:  # a reporting bug must not stop the output
+                logger.exception("output loss listener failed")
+
+
+class LogFile:
+    """A raw log file, appended to with whole chunks; ``reopen()`` follows logrotate.
+
+    A chunk that cannot be written (disk full, quota, I/O error) is dropped, never
+    buffered (the worker must not block on a full log disk), but counted: in ``loss``
+    (metrics), through its listeners (events), and in the file itself: when writing
+    works again, a marker line says how many bytes are missing at that point.
+    """
+
+    def __init__(self, path: Path, loss: OutputLoss | None = None) -> None:
         self.path = path
         self.fd = _open_log(path)
-        self._failing = False
+        self.loss = loss if loss is not None else OutputLoss()
+        self._lost = 0  # bytes lost since writing last worked
+        self._error = ""
+        self._at_line_start = True  # the last byte written was a newline (or none yet)
 
     def write(self, data: bytes) -> None:
-        """Write everything; on an I/O error (disk full) warn once and drop the data."""
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[os.write(self.fd, view) :]
-        except OSError as exc:
-            if not self._failing:
-                logger.warning("cannot write %s: %s (dropping output until it works)",
-                               self.path, exc)
-            self._failing = True
+        """Write everything; on an I/O error count the rest as lost and drop it."""
+        if self._lost and not self._mark_loss():
+            self._lose(len(data), None)
             return
-        self._failing = False
+        try:
+            self._write_all(data)
+        except _Unwritten as unwritten:
+            self._lose(unwritten.left, unwritten.error)
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            try:
+                written = os.write(self.fd, view)
+            except OSError as exc:
+                raise _Unwritten(len(view), exc) from None
+            if written:
+                self._at_line_start = view[written - 1] == 0x0A
+            view = view[written:]
+
+    def _lose(self, size: int, error: OSError | None) -> None:
+        if error is not None:
+            self.loss.write_errors += 1
+            if not self._lost:
+                self._error = error.strerror or str(error)
+                logger.warning("cannot write %s: %s (counting the output lost until it works)",
+                               self.path, self._error)
+                self.loss.tell("output_write_failed", file=str(self.path), error=self._error)
+        self.loss.lost_bytes += size
+        self._lost += size
+
+    def _mark_loss(self) -> bool:
+        """Writing may work again: put the marker in first; False if it still fails."""
+        marker = (b"" if self._at_line_start else b"\n") + (
+            f"[elastic-supervisor: {self._lost} bytes of output lost here: "
+            f"{self._error}]\n".encode()
+        )
+        try:
+            self._write_all(marker)
+        except _Unwritten:
+            self.loss.write_errors += 1
+            return False
+        logger.warning("writing %s again: %d bytes of output were lost", self.path, self._lost)
+        self.loss.tell("output_lost", file=str(self.path), bytes=self._lost, resumed=True)
+        self._lost = 0
+        return True
 
     def reopen(self) -> None:
         """Continue in a fresh file at the same path; keep the old one if that fails."""
@@ -128,11 +196,26 @@ class LogFile:
             return
         os.close(self.fd)
         self.fd = fd
+        self._at_line_start = True
 
     def close(self) -> None:
         if self.fd >= 0:
+            if self._lost and not self._mark_loss():
+                logger.warning("%s closed with its last %d bytes of output lost (%s)",
+                               self.path, self._lost, self._error)
+                self.loss.tell("output_lost", file=str(self.path), bytes=self._lost,
+                               resumed=False)
             os.close(self.fd)
             self.fd = -1
+
+
+class _Unwritten(Exception):
+    """``left`` bytes of a write could not be written (``error``)."""
+
+    def __init__(self, left: int, error: OSError) -> None:
+        super().__init__(left, error)
+        self.left = left
+        self.error = error
 
 
 def _open_log(path: Path) -> int:
@@ -371,6 +454,7 @@ class OutputPlan:
         self._filtered: dict[tuple[int, int], LogFile] = {}
         self._pumps: list[Pump] = []
         self._child_fds: dict[int, list[int]] = {}
+        self.loss = OutputLoss()  # what could not be written (metrics, events)
         self._tg: TaskGroup | None = None
 
     @classmethod
@@ -466,7 +550,7 @@ class OutputPlan:
         console = self._consoles.get(bit) if route.to_console else None
         needles = self.needles[bit] if console is not None else ()
         # files first: if one cannot be opened, no pipe is left behind (and vice versa)
-        log_file = LogFile(rank_dir / f"{name}.log")
+        log_file = LogFile(rank_dir / f"{name}.log", self.loss)
         try:
             filtered = (self._filtered_file(dir_index, rank_dir.parent, name, bit)
                         if needles else None)
@@ -490,7 +574,7 @@ class OutputPlan:
         """torchrun's ``attempt_K/filtered_{stdout,stderr}.log``, shared by the ranks."""
         key = (dir_index, bit)
         if key not in self._filtered:
-            self._filtered[key] = LogFile(attempt_dir / f"filtered_{name}.log")
+            self._filtered[key] = LogFile(attempt_dir / f"filtered_{name}.log", self.loss)
         return self._filtered[key]
 
     # -------------------------------------------------------------- rotation, draining
