@@ -348,7 +348,7 @@ async def test_three_nodes_form_one_group_and_succeed_together(
         with anyio.fail_after(30):
             codes = [await node.sup.wait(timeout=30) for node in job.nodes]
         assert codes == [0, 0, 0]
-        closed = await read_key(server.endpoint, job.run_id, "closed")
+        closed = await read_key(server.endpoint, job.run_id, "ctl/closed")
     envs = [[json.loads(p.read_text()) for p in sorted(d.glob("*.json"))] for d in dumps]
     assert [len(e) for e in envs] == [LOCAL] * 3
     assert_one_group([{int(e["LOCAL_RANK"]): e for e in node} for node in envs], 3)
@@ -427,7 +427,7 @@ async def test_sigterm_leaves_cleanly_and_the_others_continue(
         assert_one_group(after, 2)
         reformed = max(n.mono("group_started", asked) for n in others) - asked
         print(f"graceful leave: SIGTERM -> others running again in {reformed:.3f} s")
-        assert await read_key(server.endpoint, job.run_id, "closed") is None
+        assert await read_key(server.endpoint, job.run_id, "ctl/closed") is None
         for node in others:
             assert node.sup.process.returncode is None
             assert all(pid_alive(pid) for pid in node.current_pids())
@@ -464,7 +464,7 @@ async def test_worker_failure_restarts_every_node_with_one_job_wide_count(
         # not waiting for attempt 0 to print everywhere: rank 3 may fail first
         groups = await job.groups(nodes, 3 * LOCAL, restart=1)
         assert_one_group(groups, 3)
-        assert (await read_key(server.endpoint, job.run_id, "restarts"))["count"] == 1
+        assert (await read_key(server.endpoint, job.run_id, "ctl/restarts"))["count"] == 1
         scheduled = [e for n in nodes for e in n.events("restart_scheduled")]
         assert len(scheduled) == 1  # only the failing node used the budget
         for node in nodes:
@@ -478,7 +478,7 @@ async def test_exhausted_budget_fails_every_node(tmp_path: Path, server: EtcdMem
                        worker=["--exit", "7", "--fail-rank", "0", "--hang"]) as job:
         nodes = await job.start(3)
         codes = [await node.sup.wait(timeout=30) for node in nodes]
-        closed = await read_key(server.endpoint, job.run_id, "closed")
+        closed = await read_key(server.endpoint, job.run_id, "ctl/closed")
     assert sorted(codes)[-1] == 7 and codes.count(7) == 1  # the root cause's node
     assert 0 not in codes, codes
     assert closed["ok"] is False and "budget exhausted" in closed["reason"]
@@ -507,7 +507,7 @@ async def test_finished_node_does_not_leave_a_restarting_node_waiting(
         os.kill(min(b.current_pids()), signal.SIGKILL)
         assert await a.sup.wait(timeout=15) == 0  # its own workers did succeed
         code = await exit_code_within(b, 10)
-        closed = await read_key(server.endpoint, job.run_id, "closed")
+        closed = await read_key(server.endpoint, job.run_id, "ctl/closed")
     assert code not in (0, None)
     assert closed is not None and closed["ok"] is False
 
