@@ -42,6 +42,7 @@ from supervisor.rendezvous.base import (
 from supervisor.rendezvous.etcd_client import (
     EtcdClient,
     EtcdError,
+    EtcdUnavailable,
     JsonDict,
     PrefixView,
     Reachability,
@@ -293,7 +294,9 @@ class EtcdRendezvous:
                 except EtcdError as exc:  # raised below, not wrapped in an ExceptionGroup
                     failure = exc
                 tg.cancel_scope.cancel()
-        if failure is not None:
+        if isinstance(failure, EtcdUnavailable):  # the watch waited out outage_limit
+            self._lease.give_up(failure)
+        elif failure is not None:
             raise failure
         self._check_usable()
 

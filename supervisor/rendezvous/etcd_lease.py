@@ -71,7 +71,7 @@ class LeaseKeeper:
                 continue
             except EtcdUnavailable as exc:  # only with a finite outage_limit
                 if not self._stopped.is_set():
-                    self._give_up(exc)
+                    self.give_up(exc)
                 return
             except EtcdError as exc:
                 if self._stopped.is_set():
@@ -99,7 +99,7 @@ class LeaseKeeper:
                 await self.grant()
                 break
             except EtcdUnavailable as exc:
-                return self._give_up(exc)
+                return self.give_up(exc)
             except EtcdError as exc:
                 logger.warning("cannot replace the expired etcd lease, retrying: %s", exc)
                 await anyio.sleep(min(self.ttl / 10, 0.5))
@@ -108,10 +108,13 @@ class LeaseKeeper:
                        self.id)
         await self._on_expired(across)
 
-    def _give_up(self, exc: EtcdError) -> None:
+    def give_up(self, exc: EtcdError) -> None:
+        """etcd stayed unreachable longer than ``outage_limit``: the rendezvous is over."""
+        if self.given_up.is_set():
+            return
         limit = self._client.retry_window
-        self.given_up_reason = (f"etcd unreachable for longer than outage_limit "
-                                f"({limit:g}s): {exc}")
+        bound = "none" if limit is None else f"{limit:g}s"
+        self.given_up_reason = f"etcd unreachable for longer than outage_limit ({bound}): {exc}"
         logger.error("rendezvous gives up: %s", self.given_up_reason)
         self.given_up.set()
 
