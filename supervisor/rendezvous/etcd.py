@@ -131,6 +131,8 @@ class EtcdRendezvous:
         self._held: dict[str, tuple[str, list[JsonDict]]] = {}  # lease-bound: value, guard
         self._deadlines: set[PausableDeadline] = set()
         self._progress = "nothing read yet"
+        self.joined_at = 0.0  # monotonic: this agent's last join key was written
+        self.waited_at = 0.0  # monotonic: this agent's last wait key was written
 
     @property
     def lease_id(self) -> int:
@@ -406,7 +408,7 @@ class EtcdRendezvous:
                                   json.dumps(asdict(me)), guard, seen_in_view=False,
                                   restore_guard=same_round)
         if ok:
-            self._joined = n
+            self._joined, self.joined_at = n, time.monotonic()
         return ok
 
     async def _finishing(self, state: State, n: int, members: list[Member]) -> _Done | bool:
@@ -429,7 +431,7 @@ class EtcdRendezvous:
             ok = await self._put_held(self._keys.node(n, "wait", self.node_id), "{}",
                                       self._round_guard(state), seen_in_view=False)
             if ok:
-                self._waiting = n
+                self._waiting, self.waited_at = n, time.monotonic()
             return True
         self._progress = (f"waiting to be admitted: round {n} runs with {len(members)} "
                           f"node(s) (max {self.config.max_nodes})")
@@ -670,10 +672,14 @@ class EtcdRendezvous:
                      ) -> tuple[list[JsonDict], list[JsonDict], str]:
         n, chosen = decision.n, decision.chosen
         members = sorted((json.loads(kv.value) for kv in chosen), key=lambda m: str(m["node"]))
+        # O(1) comparisons: etcd caps a txn at --max-txn-ops (default 128) operations, so
+        # one per member would fail past ~120 nodes. No join key changed or appeared since
+        # the view; one that vanished meanwhile is a lost member, and the next decision
+        # opens a new round for it.
         guard = self._round_guard(state) + [
             compare(self._keys.result(n), "VERSION", "=", 0),
             compare(self._keys.node(n, "join"), "MOD", "<", view.revision + 1, prefix=True),
-        ] + [compare(kv.key, "CREATE", "=", kv.create_revision) for kv in chosen]
+        ]
         ops = [put_op(self._keys.result(n), json.dumps({"members": members}))]
         return guard, ops, f"round {n} closed with {len(members)} node(s)"
 
