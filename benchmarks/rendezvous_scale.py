@@ -57,6 +57,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 PHASE_TIMEOUT = 120.0  # s, any phase at any N
 NODE = "n{:05d}"
+VERBOSE = bool(os.environ.get("SCALE_VERBOSE"))
 
 
 def log(text: str) -> None:
@@ -88,6 +89,18 @@ async def agent_main(args: argparse.Namespace) -> None:
     from supervisor.rendezvous.etcd import EtcdRendezvous, EtcdRendezvousConfig
 
     raise_nofile()
+    import logging
+
+    class Mono(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            record.mono = time.monotonic()
+            return True
+
+    handler = logging.StreamHandler()
+    handler.addFilter(Mono())
+    handler.setFormatter(logging.Formatter("%(mono).3f %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        handlers=[handler])
 
     def say(**record: Any) -> None:
         sys.stdout.write(json.dumps(record) + "\n")
@@ -197,7 +210,8 @@ class Run:
             process = subprocess.Popen(
                 [sys.executable, __file__, "--agent", "--endpoint", self.endpoint,
                  "--run-id", self.run_id, "--total", str(self.n), "--offset", str(offset),
-                 "--count", str(count), "--ttl", str(self.ttl)],
+                 "--count", str(count), "--ttl", str(self.ttl),
+                 *(["--verbose"] if VERBOSE else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
                 cwd=REPO, start_new_session=True)
         agent = Agent(process)
@@ -306,6 +320,8 @@ def run_one(endpoint: str, n: int, procs: int, ttl: int, idle: float, logs: Path
         last = max(r["t"] for r in r0)
         out["form_last_join_s"] = last - max(r["joined"] for r in r0)
         out["form_all_s"] = last - go
+        log(f"N={n}: go {go:.3f}, last join {max(r['joined'] for r in r0):.3f}, "
+            f"first round {min(r['t'] for r in r0):.3f}, last {last:.3f}")
         s1, leaders = run.stats()
         out["formation"] = delta(s0, s1, leaders)
         log(f"N={n}: formed in {out['form_all_s']:.3f}s")
@@ -376,10 +392,10 @@ def etcd_server(root: Path) -> Iterator[str]:
     try:
         deadline = time.monotonic() + 15
         while True:
-            with contextlib.suppress(OSError, ValueError):
-                with urllib.request.urlopen(url + "/health", timeout=1) as resp:
-                    if json.load(resp).get("health") == "true":
-                        break
+            with contextlib.suppress(OSError, ValueError), \
+                    urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                if json.load(resp).get("health") == "true":
+                    break
             if time.monotonic() > deadline or process.poll() is not None:
                 raise SystemExit("etcd did not become healthy")
             time.sleep(0.05)
@@ -442,6 +458,7 @@ def main() -> None:
     parser.add_argument("--offset", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--ttl", type=int, default=5, help=argparse.SUPPRESS)
+    parser.add_argument("--verbose", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="16,64,256,1024")
     parser.add_argument("--procs", type=int, default=4, help="agent processes per N")
     parser.add_argument("--lease-ttl", type=int, default=5)

@@ -71,6 +71,7 @@ from supervisor.rendezvous.etcd_state import (
     Succeed,
     Wait,
     decide,
+    result_value,
 )
 
 __all__ = [
@@ -418,7 +419,7 @@ class EtcdRendezvous:
         if members[0].node != self.node_id:
             self._progress = f"round {n}: waiting for group rank 0 to publish the master port"
             return False
-        addr = members[0].addr
+        addr = self.config.local_addr
         await self._write(
             [*self._round_guard(state), compare(self._keys.master(n), "VERSION", "=", 0)],
             [put_op(self._keys.master(n), json.dumps({"addr": addr, "port": free_port(addr)}))])
@@ -671,16 +672,17 @@ class EtcdRendezvous:
     def _close_round(self, view: PrefixView, state: State, decision: Close
                      ) -> tuple[list[JsonDict], list[JsonDict], str]:
         n, chosen = decision.n, decision.chosen
-        members = sorted((json.loads(kv.value) for kv in chosen), key=lambda m: str(m["node"]))
+        members = [json.loads(kv.value) for kv in chosen]
         # O(1) comparisons: etcd caps a txn at --max-txn-ops (default 128) operations, so
         # one per member would fail past ~120 nodes. No join key changed or appeared since
         # the view; one that vanished meanwhile is a lost member, and the next decision
         # opens a new round for it.
-        guard = self._round_guard(state) + [
+        guard = [
+            *self._round_guard(state),
             compare(self._keys.result(n), "VERSION", "=", 0),
             compare(self._keys.node(n, "join"), "MOD", "<", view.revision + 1, prefix=True),
         ]
-        ops = [put_op(self._keys.result(n), json.dumps({"members": members}))]
+        ops = [put_op(self._keys.result(n), result_value(members))]
         return guard, ops, f"round {n} closed with {len(members)} node(s)"
 
 

@@ -7,7 +7,9 @@ follows, are under ``nodes/``::
     ctl/round                 {"round": N, "reason"}  the current round (absent: 0), and why
                                                       it was opened ("" after a restart)
     ctl/leader                lease-bound {"node"}    the agent that closes rounds
-    ctl/result/N              {"members": [...]}      round N is complete; members by node id
+    ctl/result/N              {"nodes": [...], "sizes"} round N is complete: member ids in
+                                                      group-rank order, local world sizes
+                                                      (one number when all are equal)
     ctl/master/N              {"addr", "port"}        published by group rank 0 of round N
     ctl/restarts              {"count": K}            job-wide failure restarts
     ctl/closed                {"ok", "reason"}        the job is over for everyone
@@ -58,8 +60,18 @@ class Keys:
 @dataclass(frozen=True)
 class Member:
     node: str
-    addr: str
+    addr: str  # in join keys; a result leaves it "" (rank 0 publishes the master itself)
     local_world_size: int
+
+
+def result_value(members: list[dict[str, Any]]) -> str:
+    """The compact ``ctl/result/N`` value: every agent receives it, so its size is the
+    round's per-agent O(N) cost in bytes (ids and sizes only, ~10-40 bytes a member)."""
+    ordered = sorted(members, key=lambda m: str(m["node"]))
+    sizes = [int(m["local_world_size"]) for m in ordered]
+    same = len(set(sizes)) == 1
+    return json.dumps({"nodes": [str(m["node"]) for m in ordered],
+                       "sizes": sizes[0] if same else sizes}, separators=(",", ":"))
 
 
 class State:
@@ -70,6 +82,7 @@ class State:
         self.keys = keys
         self._kvs = kvs
         self._index: dict[tuple[int, str], dict[str, KeyValue]] | None = None
+        self._parsed: dict[str, Any] = {}
 
     def kv(self, key: str) -> KeyValue | None:
         return self._kvs.get(key)
@@ -78,10 +91,12 @@ class State:
         kv = self._kvs.get(key)
         if kv is None:
             return None
-        try:
-            return json.loads(kv.value)
-        except ValueError as exc:
-            raise RendezvousError(f"etcd rendezvous: {kv.key} holds malformed JSON") from exc
+        if key not in self._parsed:  # parsed once per state: a result can be large
+            try:
+                self._parsed[key] = json.loads(kv.value)
+            except ValueError as exc:
+                raise RendezvousError(f"etcd rendezvous: {kv.key} holds malformed JSON") from exc
+        return self._parsed[key]
 
     @property
     def round(self) -> int:
@@ -109,7 +124,17 @@ class State:
 
     def members(self, n: int) -> list[Member] | None:
         data = self.json(self.keys.result(n))
-        return [Member(**m) for m in data["members"]] if data else None
+        if not data:
+            return None
+        try:
+            nodes, sizes = list(data["nodes"]), data["sizes"]
+            if isinstance(sizes, int):
+                sizes = [sizes] * len(nodes)
+            return [Member(str(node), "", int(size))
+                    for node, size in zip(nodes, sizes, strict=True)]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RendezvousError(f"etcd rendezvous: {self.keys.result(n)} is malformed") \
+                from exc
 
     def master(self, n: int) -> tuple[str, int] | None:
         data = self.json(self.keys.master(n))
