@@ -282,7 +282,8 @@ def rounds(records: list[dict[str, Any]], n: int) -> list[dict[str, Any]]:
 def delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]],
           leaders: set[str]) -> dict[str, float]:
     """Per-participant means over the non-leaders (and the leader's own) of each counter."""
-    keys = ("requests", "rdzv_requests", "txn_conflicts", "failed_attempts", "watch_events")
+    keys = ("requests", "rdzv_requests", "txn_conflicts", "failed_attempts", "watch_events",
+            "watch_bytes")
     for stats in (*before.values(), *after.values()):  # rendezvous work: all but keepalives
         stats["rdzv_requests"] = stats["requests"] - stats.get("path:/v3/lease/keepalive", 0)
     nodes = [n for n in after if n in before]
@@ -436,6 +437,8 @@ def table(results: list[dict[str, Any]], ttl: int, idle: float) -> str:
             lambda r, p=phase: f"{r[p]['txn_conflicts']:.2f} ({r[p]['txn_conflicts_leader']})")
         row(f"{phase}: watch events / participant (leader)", "{}",
             lambda r, p=phase: f"{r[p]['watch_events']:.1f} ({r[p]['watch_events_leader']})")
+        row(f"{phase}: watch value bytes / participant (leader)", "{}",
+            lambda r, p=phase: f"{r[p]['watch_bytes']:.0f} ({r[p]['watch_bytes_leader']})")
     row("all phases: failed attempts (retries) / participant", "{:.2f}",
         lambda r: sum(r[p]["failed_attempts"] for p in ("formation", "loss", "leave",
                                                          "scale_up")))

@@ -138,6 +138,7 @@ class EtcdStats:
     txn_conflicts: int = 0  # txns whose comparisons did not hold
     watches_opened: int = 0  # watch streams opened, reconnects included
     watch_events: int = 0  # events received on every watch stream
+    watch_bytes: int = 0  # bytes of the values those events carried
     by_path: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, int]:
@@ -520,6 +521,7 @@ class Watch:
                 continue
             if events:
                 self._client.stats.watch_events += len(events)
+                self._client.stats.watch_bytes += sum(len(ev.kv.value) for ev in events)
                 self.next_revision = events[-1].kv.mod_revision + 1
                 return events
 
