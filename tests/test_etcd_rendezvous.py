@@ -522,6 +522,31 @@ async def test_join_timeout_does_not_run_during_an_outage(server: EtcdMember) ->
 
 
 @etcd
+async def test_restart_during_a_frozen_etcd_completes_once_it_wakes(
+        server: EtcdMember) -> None:
+    """A worker failed while etcd was frozen past the TTL: the node's next_round waits for
+    etcd, then its expired lease is replaced and both nodes meet in the next round."""
+    async with agents([server.endpoint], 2, min_nodes=2, max_nodes=2, lease_ttl=1,
+                      last_call_timeout=60) as rdzvs:
+        with anyio.fail_after(10):
+            first = await form_round(rdzvs)
+        reasons: list[str] = []
+        second: list[RendezvousResult] = []
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                async def restart() -> None:
+                    second.append(await rdzvs[0].next_round(1))
+
+                async with anyio.create_task_group() as frozen:
+                    frozen.start_soon(freeze, [server], 3)
+                    await anyio.sleep(0.5)  # the failure happens during the freeze
+                    tg.start_soon(restart)
+                tg.start_soon(change_then_rejoin, rdzvs[1], first[1], reasons, second)
+    assert reasons == ["round 1 was opened by another node"]
+    assert_one_consistent_round(second)
+
+
+@etcd
 async def test_counters_show_constant_requests_per_agent(server: EtcdMember) -> None:
     """A round's etcd requests per agent do not grow with the job (the scale benchmark
     measures 16..1024; here 2 vs 6 agents)."""

@@ -42,6 +42,7 @@ from supervisor.rendezvous.base import (
 from supervisor.rendezvous.etcd_client import (
     EtcdClient,
     EtcdError,
+    EtcdLeaseNotFound,
     EtcdUnavailable,
     JsonDict,
     PrefixView,
@@ -331,8 +332,13 @@ class EtcdRendezvous:
                         ) -> bool:
         """Put a lease-bound key of this agent, remembered (with the comparisons that must
         still hold then, default ``guard``) for restoring it after an outage."""
-        ok = await self._write(guard, [put_op(key, value, lease=self._lease.id)],
-                               seen_in_view=seen_in_view)
+        lease = self._lease.id
+        try:
+            ok = await self._write(guard, [put_op(key, value, lease=lease)],
+                                   seen_in_view=seen_in_view)
+        except EtcdLeaseNotFound:  # expired across an outage, not replaced yet: now
+            await self._lease.replace(lease)
+            return False
         if ok:
             self._held[key] = (value, guard if restore_guard is None else restore_guard)
         return ok
@@ -572,9 +578,14 @@ class EtcdRendezvous:
         return int(json.loads(kv.value)["count"]) if kv else 0
 
     async def fail_job(self, message: str) -> None:
-        """Close the job for every node (the first reason recorded wins)."""
+        """Close the job for every node (the first reason recorded wins). Bounded by one
+        lease TTL: a node that gives up must not wait out an etcd outage on its way out."""
         with _etcd_errors("closing the job"):
-            await self._close(ok=False, reason=message)
+            with anyio.move_on_after(self.config.lease_ttl) as scope:
+                await self._close(ok=False, reason=message)
+            if scope.cancelled_caught:
+                raise RendezvousError(f"etcd rendezvous: closing the job failed: etcd did "
+                                      f"not answer within {self.config.lease_ttl}s")
         logger.error("etcd rendezvous %s closed as failed: %s", self.run_id, message)
 
     async def _close(self, *, ok: bool, reason: str) -> None:

@@ -43,6 +43,7 @@ class LeaseKeeper:
         self._on_expired = on_expired
         self._stopped = anyio.Event()
         self._last_ok = 0.0
+        self._replacing = anyio.Lock()
 
     async def grant(self, *, bounded: bool = False) -> None:
         """A new lease; ``bounded``: retry for one TTL at most (start-up: a bad endpoint
@@ -62,12 +63,11 @@ class LeaseKeeper:
                 await self._stopped.wait()
             if self._stopped.is_set():
                 return
-            sent = time.monotonic()
+            sent, lease = time.monotonic(), self.id
             try:
-                await self._client.lease_keepalive(self.id)
+                await self._client.lease_keepalive(lease)
             except EtcdLeaseNotFound:
-                if not self._stopped.is_set():
-                    await self._replace()
+                await self.replace(lease)
                 continue
             except EtcdUnavailable as exc:  # only with a finite outage_limit
                 if not self._stopped.is_set():
@@ -90,6 +90,13 @@ class LeaseKeeper:
         if r.last_failure_at is not None and r.last_failure_at >= self._last_ok:
             return True
         return r.recovered_at is not None and now - r.recovered_at <= 2 * self.ttl
+
+    async def replace(self, expired: int) -> None:
+        """etcd said lease ``expired`` is gone (to the keepalive, or to a write that used
+        it): grant a new one, once, whoever noticed first."""
+        async with self._replacing:
+            if self.id == expired and not self._stopped.is_set():
+                await self._replace()
 
     async def _replace(self) -> None:
         across = self.lost_across_outage()
