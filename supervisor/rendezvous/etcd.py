@@ -228,6 +228,8 @@ class EtcdRendezvous:
     # outages
 
     def _on_reachability(self, reachable: bool, r: Reachability) -> None:
+        if not self._lease.id:
+            return  # start-up: connect() reports an unusable endpoint in one line itself
         if reachable:
             logger.warning("etcd reachable again after %.1fs", r.last_outage)
             for deadline in self._deadlines:
