@@ -15,6 +15,8 @@ from supervisor.rendezvous.etcd_state import (
     State,
     Succeed,
     Wait,
+    advance_txn,
+    close_round_txn,
     decide,
     result_value,
 )
@@ -102,3 +104,16 @@ def test_result_value_is_compact_and_reads_back_in_rank_order() -> None:
     members = st.members(0)
     assert members is not None
     assert [(m.node, m.local_world_size) for m in members] == [("a", 2), ("b", 2)]
+
+
+def test_closing_a_round_of_500_stays_within_etcds_default_max_txn_ops() -> None:
+    """Regression: the close compared every member's key, and etcd refuses a txn of more
+    than --max-txn-ops (default 128) comparisons: rounds of > ~124 nodes never closed."""
+    nodes = [f"n{i:04d}" for i in range(500)]
+    st = state(join={0: nodes})
+    decision = decide(st, Policy(500, 500, 1.0), 0.0, min_since=None, grace_until=0)
+    assert isinstance(decision, Close) and len(decision.chosen) == 500
+    guard, ops = close_round_txn(st, decision, view_revision=600)
+    assert len(guard) <= 8 and len(ops) == 1
+    guard, ops = advance_txn(st, "node(s) lost: x", "n0000")
+    assert len(guard) <= 8 and len(ops) <= 8

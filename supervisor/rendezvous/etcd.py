@@ -48,7 +48,6 @@ from supervisor.rendezvous.etcd_client import (
     PrefixView,
     Reachability,
     compare,
-    delete_op,
     open_prefix_view,
     put_op,
 )
@@ -60,19 +59,17 @@ from supervisor.rendezvous.etcd_config import (
     parse_nnodes,
     parse_rdzv_conf,
 )
+from supervisor.rendezvous.etcd_leader import Leader
 from supervisor.rendezvous.etcd_lease import LeaseKeeper, PausableDeadline
 from supervisor.rendezvous.etcd_state import (
     ROOT,
-    Advance,
-    Close,
     Keys,
     Member,
     Policy,
     State,
-    Succeed,
-    Wait,
-    decide,
-    result_value,
+    advance_txn,
+    close_job_txn,
+    round_guard,
 )
 
 __all__ = [
@@ -119,6 +116,8 @@ class EtcdRendezvous:
                                   retry_window=config.outage_limit,
                                   on_reachability=self._on_reachability)
         self._lease = LeaseKeeper(self._client, config.lease_ttl, self._lease_replaced)
+        self._leader = Leader(self._client, self._keys, self._policy, self._lease,
+                              config.node_id)
         self._ctl: PrefixView | None = None
         self._ready = anyio.Event()
         self._running = False
@@ -324,11 +323,6 @@ class EtcdRendezvous:
                 await self._ctl.wait_revision(result.revision)
         return result.succeeded
 
-    def _round_guard(self, state: State) -> list[JsonDict]:
-        """Comparisons: the round did not move on and the job is not closed."""
-        return [compare(self._keys.round, "MOD", "=", state.round_mod),
-                compare(self._keys.closed, "VERSION", "=", 0)]
-
     async def _put_held(self, key: str, value: str, guard: list[JsonDict], *,
                         seen_in_view: bool, restore_guard: list[JsonDict] | None = None
                         ) -> bool:
@@ -410,7 +404,7 @@ class EtcdRendezvous:
 
     async def _join(self, state: State, n: int, lws: int) -> bool:
         me = Member(self.node_id, self.config.local_addr, lws)
-        same_round = self._round_guard(state)
+        same_round = round_guard(state)
         guard = [*same_round, compare(self._keys.result(n), "VERSION", "=", 0)]
         # restored after an outage even once the round is complete: it is still a member
         ok = await self._put_held(self._keys.node(n, "join", self.node_id),
@@ -429,7 +423,7 @@ class EtcdRendezvous:
             return False
         addr = self.config.local_addr
         await self._write(
-            [*self._round_guard(state), compare(self._keys.master(n), "VERSION", "=", 0)],
+            [*round_guard(state), compare(self._keys.master(n), "VERSION", "=", 0)],
             [put_op(self._keys.master(n), json.dumps({"addr": addr, "port": free_port(addr)}))])
         return True
 
@@ -438,7 +432,7 @@ class EtcdRendezvous:
         when there is room, or when round n lost a member)."""
         if self._waiting != n:
             ok = await self._put_held(self._keys.node(n, "wait", self.node_id), "{}",
-                                      self._round_guard(state), seen_in_view=False)
+                                      round_guard(state), seen_in_view=False)
             if ok:
                 self._waiting, self.waited_at = n, time.monotonic()
             return True
@@ -448,12 +442,7 @@ class EtcdRendezvous:
 
     async def _advance(self, state: State, n: int, reason: str) -> bool:
         """Open round n+1 (if nobody did yet) and forget round n-1."""
-        value = json.dumps({"round": n + 1, "reason": reason, "node": self.node_id})
-        ops = [put_op(self._keys.round, value)]
-        if n >= 1:
-            ops += [delete_op(self._keys.result(n - 1)), delete_op(self._keys.master(n - 1)),
-                    delete_op(self._keys.node(n - 1, ""), prefix=True)]
-        ok = await self._write(self._round_guard(state), ops)
+        ok = await self._write(*advance_txn(state, reason, self.node_id))
         if ok:
             logger.info("etcd rendezvous: opened round %d%s", n + 1,
                         f" ({reason})" if reason else "")
@@ -591,14 +580,8 @@ class EtcdRendezvous:
         logger.error("etcd rendezvous %s closed as failed: %s", self.run_id, message)
 
     async def _close(self, *, ok: bool, reason: str) -> None:
-        guard, ops, _ = self._close_ops(ok=ok, reason=reason)
-        await self._client.txn(guard, ops)
-
-    def _close_ops(self, *, ok: bool, reason: str
-                   ) -> tuple[list[JsonDict], list[JsonDict], str]:
-        key = self._keys.closed
-        value = json.dumps({"ok": ok, "reason": reason, "node": self.node_id})
-        return [compare(key, "VERSION", "=", 0)], [put_op(key, value)], f"job closed: {reason}"
+        await self._client.txn(*close_job_txn(self._keys, ok=ok, reason=reason,
+                                              node=self.node_id))
 
     # leadership
 
@@ -615,7 +598,7 @@ class EtcdRendezvous:
                                          seen_in_view=True)
                     continue
                 if leader.lease == self._lease.id:
-                    await self._lead()
+                    await self._leader.lead()
                     continue
                 await self._ctl.wait_changed(seen)
                 delay = 0.05
@@ -625,78 +608,6 @@ class EtcdRendezvous:
                 logger.warning("etcd rendezvous leader duty failed, retrying: %s", exc)
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-
-    async def _lead(self) -> None:
-        """Follow every key of the job and decide, while this agent holds the leader key."""
-        logger.info("etcd rendezvous %s: %s leads", self.run_id, self.node_id)
-        min_since: tuple[int, float] | None = None
-        async with open_prefix_view(self._client, self._keys.prefix) as view:
-            while True:
-                seen, state = view.version, State(self._keys, view.kvs)
-                leader = state.leader
-                if leader is None or leader.lease != self._lease.id:
-                    logger.info("etcd rendezvous: %s no longer leads", self.node_id)
-                    return
-                n, now = state.round, time.monotonic()
-                if len(state.nodes(n, "join")) < self.config.min_nodes:
-                    min_since = None
-                elif min_since is None or min_since[0] != n:
-                    min_since = (n, now)
-                decision = decide(state, self._policy, now,
-                                  min_since=min_since[1] if min_since else None,
-                                  grace_until=self._grace_until())
-                if isinstance(decision, Wait):
-                    with anyio.move_on_after(decision.until - time.monotonic()):
-                        await view.wait_changed(seen)
-                    continue
-                await self._carry_out(view, state, decision)
-
-    def _grace_until(self) -> float:
-        """A member key that vanished is not lost until one TTL after etcd came back: a
-        cluster frozen longer than the TTL expires every lease when it wakes."""
-        r = self._client.reachability
-        if r.unreachable_since is not None:
-            return math.inf
-        return r.recovered_at + self._lease.ttl if r.recovered_at is not None else 0.0
-
-    async def _carry_out(self, view: PrefixView, state: State,
-                         decision: Close | Advance | Succeed) -> None:
-        if isinstance(decision, Succeed):
-            guard, ops, what = self._close_ops(ok=True, reason="job succeeded")
-        elif isinstance(decision, Advance):
-            ops = [put_op(self._keys.round, json.dumps(
-                {"round": decision.n + 1, "reason": decision.reason, "node": self.node_id}))]
-            if decision.n >= 1:
-                n = decision.n - 1
-                ops += [delete_op(self._keys.result(n)), delete_op(self._keys.master(n)),
-                        delete_op(self._keys.node(n, ""), prefix=True)]
-            guard, what = self._round_guard(state), f"opened round {decision.n + 1}: " \
-                                                     f"{decision.reason}"
-        else:
-            guard, ops, what = self._close_round(view, state, decision)
-        result = await self._client.txn(guard, ops)
-        if result.succeeded:
-            logger.info("etcd rendezvous: %s", what)
-            with anyio.move_on_after(self._client.timeout):
-                await view.wait_revision(result.revision)
-        else:
-            await view.refresh()
-
-    def _close_round(self, view: PrefixView, state: State, decision: Close
-                     ) -> tuple[list[JsonDict], list[JsonDict], str]:
-        n, chosen = decision.n, decision.chosen
-        members = [json.loads(kv.value) for kv in chosen]
-        # O(1) comparisons: etcd caps a txn at --max-txn-ops (default 128) operations, so
-        # one per member would fail past ~120 nodes. No join key changed or appeared since
-        # the view; one that vanished meanwhile is a lost member, and the next decision
-        # opens a new round for it.
-        guard = [
-            *self._round_guard(state),
-            compare(self._keys.result(n), "VERSION", "=", 0),
-            compare(self._keys.node(n, "join"), "MOD", "<", view.revision + 1, prefix=True),
-        ]
-        ops = [put_op(self._keys.result(n), result_value(members))]
-        return guard, ops, f"round {n} closed with {len(members)} node(s)"
 
 
 @asynccontextmanager

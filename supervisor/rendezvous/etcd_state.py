@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from supervisor.rendezvous.base import RendezvousError
-from supervisor.rendezvous.etcd_client import KeyValue
+from supervisor.rendezvous.etcd_client import JsonDict, KeyValue, compare, delete_op, put_op
 
 ROOT = "/elastic-supervisor"
 
@@ -241,3 +241,43 @@ def previous_round_rejoined(state: State, n: int, joined: Mapping[str, KeyValue]
         return False
     alive = set(state.nodes(n - 1, "join")) | set(state.nodes(n - 1, "wait"))
     return bool(alive) and alive <= set(joined)
+
+
+# transactions (comparisons and operations as data; every one carries O(1) of each)
+
+Txn = tuple[list[JsonDict], list[JsonDict]]  # (comparisons, operations on success)
+
+
+def round_guard(state: State) -> list[JsonDict]:
+    """Comparisons: the round did not move on and the job is not closed."""
+    keys = state.keys
+    return [compare(keys.round, "MOD", "=", state.round_mod),
+            compare(keys.closed, "VERSION", "=", 0)]
+
+
+def advance_txn(state: State, reason: str, node: str) -> Txn:
+    """Open round n+1 (unless someone did) and forget round n-1."""
+    keys, n = state.keys, state.round
+    ops = [put_op(keys.round, json.dumps({"round": n + 1, "reason": reason, "node": node}))]
+    if n >= 1:
+        ops += [delete_op(keys.result(n - 1)), delete_op(keys.master(n - 1)),
+                delete_op(keys.node(n - 1, ""), prefix=True)]
+    return round_guard(state), ops
+
+
+def close_job_txn(keys: Keys, *, ok: bool, reason: str, node: str) -> Txn:
+    """Close the job for everyone, unless it is closed already (the first reason wins)."""
+    value = json.dumps({"ok": ok, "reason": reason, "node": node})
+    return [compare(keys.closed, "VERSION", "=", 0)], [put_op(keys.closed, value)]
+
+
+def close_round_txn(state: State, decision: Close, view_revision: int) -> Txn:
+    """Write round n's result. O(1) comparisons: etcd caps a txn at ``--max-txn-ops``
+    (default 128), so one per member would fail past ~120 nodes. No join key changed or
+    appeared since the leader's view; one that vanished meanwhile is a lost member, and
+    the leader's next decision opens a new round for it."""
+    keys, n = state.keys, decision.n
+    guard = [*round_guard(state), compare(keys.result(n), "VERSION", "=", 0),
+             compare(keys.node(n, "join"), "MOD", "<", view_revision + 1, prefix=True)]
+    members = [json.loads(kv.value) for kv in decision.chosen]
+    return guard, [put_op(keys.result(n), result_value(members))]
