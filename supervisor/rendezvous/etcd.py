@@ -175,7 +175,9 @@ class EtcdRendezvous:
         try:
             await self.connect()
             with _etcd_errors("reading the job's control keys"):
-                async with open_prefix_view(self._client, self._keys.ctl) as view:
+                # bounded like connect(): the supervisor is still starting
+                async with open_prefix_view(self._client, self._keys.ctl,
+                                            retry_window=self.config.lease_ttl) as view:
                     self._ctl = view
                     self._running = True
                     self._ready.set()
@@ -211,6 +213,13 @@ class EtcdRendezvous:
             with anyio.move_on_after(self.config.request_timeout):
                 await self._run_exited.wait()
         await self._client.aclose()
+
+    async def _usable(self) -> None:
+        """Wait until ``run`` follows the control keys; raise if it cannot be used."""
+        if not (self._run_active or self._running):
+            raise RuntimeError("EtcdRendezvous.run() must be started before use")
+        await self._ready.wait()
+        self._check_usable()
 
     def _check_usable(self) -> None:
         if not self._running:
@@ -344,8 +353,7 @@ class EtcdRendezvous:
     async def next_round(self, local_world_size: int) -> RendezvousResult:
         """Join the next round and wait until it completes: at most ``join_timeout`` while
         etcd answers, plus any outage (bounded by ``outage_limit``)."""
-        await self._ready.wait()
-        self._check_usable()
+        await self._usable()
         self._evicted = False
         started = time.monotonic()
         result: RendezvousResult | None = None
@@ -467,8 +475,7 @@ class EtcdRendezvous:
         """Return why round ``result`` is outdated: the leader (or a restarting node) opened
         a new round, or the job closed. Raises ``RendezvousError`` if this node's own lease
         was lost while etcd was reachable (the others saw it leave)."""
-        await self._ready.wait()
-        self._check_usable()
+        await self._usable()
         assert self._ctl is not None
         with _etcd_errors("watching membership"):
             while True:
@@ -495,7 +502,7 @@ class EtcdRendezvous:
         n = result.round
         try:
             with _etcd_errors("exit barrier"), anyio.move_on_after(timeout):
-                await self._ready.wait()
+                await self._usable()
                 assert self._ctl is not None
                 # not lease-bound: it must outlive this node
                 await self._client.put(self._keys.node(n, "done", self.node_id), "{}")
@@ -549,7 +556,7 @@ class EtcdRendezvous:
     async def record_failure_restart(self, message: str) -> int:
         """Add one failure restart to the job-wide counter (compare-and-swap on the value
         the control view holds); the new count. Waits out an outage (``outage_limit``)."""
-        await self._ready.wait()
+        await self._usable()
         key = self._keys.restarts
         with _etcd_errors("counting a restart"):
             for _ in range(_CAS_ATTEMPTS):

@@ -424,9 +424,11 @@ class EtcdClient:
         result = await self.range(key)
         return result.kvs[0] if result.kvs else None
 
-    async def range(self, key: str, *, prefix: bool = False) -> RangeResult:
+    async def range(self, key: str, *, prefix: bool = False,
+                    retry_window: float | Literal["default"] | None = "default"
+                    ) -> RangeResult:
         """The key (or every key under the prefix) and the store revision read."""
-        data = await self.call("/v3/kv/range", _key_range(key, prefix))
+        data = await self.call("/v3/kv/range", _key_range(key, prefix), retry_window=retry_window)
         kvs = tuple(KeyValue.from_json(kv) for kv in data.get("kvs", ()))
         return RangeResult(kvs, int(data["header"]["revision"]))
 
@@ -626,9 +628,10 @@ class PrefixView:
         self._changed = anyio.Event()
         self._error: EtcdError | None = None
 
-    async def refresh(self) -> None:
+    async def refresh(self, *, retry_window: float | Literal["default"] | None = "default"
+                      ) -> None:
         """Re-read the whole prefix now (after a write, so decisions see its effect)."""
-        result = await self.client.range(self.prefix, prefix=True)
+        result = await self.client.range(self.prefix, prefix=True, retry_window=retry_window)
         if result.revision > self.revision:
             self.kvs = {kv.key: kv for kv in result.kvs}
             self.revision = result.revision
@@ -687,10 +690,13 @@ class PrefixView:
 
 
 @asynccontextmanager
-async def open_prefix_view(client: EtcdClient, prefix: str) -> AsyncIterator[PrefixView]:
-    """Read ``prefix`` and follow it by watch until the block exits."""
+async def open_prefix_view(client: EtcdClient, prefix: str, *,
+                           retry_window: float | Literal["default"] | None = "default"
+                           ) -> AsyncIterator[PrefixView]:
+    """Read ``prefix`` (retrying for ``retry_window``) and follow it by watch until the
+    block exits."""
     view = PrefixView(client, prefix)
-    await view.refresh()
+    await view.refresh(retry_window=retry_window)
     body_error: BaseException | None = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(view._follow)
