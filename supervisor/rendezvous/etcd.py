@@ -287,7 +287,7 @@ class EtcdRendezvous:
 
     def _notify_ctl(self) -> None:
         if self._ctl is not None:
-            self._ctl._notify()  # wake waiters so they re-check this agent's own state
+            self._ctl.poke()  # waiters re-check this agent's own state
 
     # the control view
 

@@ -655,6 +655,11 @@ class PrefixView:
         if self._error is not None:
             raise self._error
 
+    def poke(self) -> None:
+        """Wake every ``wait_changed`` as if the prefix had changed: its owner's own state
+        did (for example its lease was replaced), so waiters should look again."""
+        self._notify()
+
     def _notify(self) -> None:
         self.version += 1
         self._changed.set()
