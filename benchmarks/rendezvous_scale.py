@@ -1,7 +1,8 @@
 """The etcd rendezvous at scale: N participants against one real etcd on this machine.
 
     python benchmarks/rendezvous_scale.py [--sizes 16,64,256,1024] [--procs 4]
-                                          [--lease-ttl 5] [--idle 30] [--json FILE]
+                                          [--lease-ttl 10] [--idle 30] [--json FILE]
+                                          [--keep]
 
 Every participant is the project's own ``EtcdRendezvous`` (the class the supervisor uses),
 running the supervisor's loop: ``next_round`` -> ``wait_membership_change`` -> again. They
@@ -464,7 +465,7 @@ def main() -> None:
     parser.add_argument("--verbose", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default="16,64,256,1024")
     parser.add_argument("--procs", type=int, default=4, help="agent processes per N")
-    parser.add_argument("--lease-ttl", type=int, default=5)
+    parser.add_argument("--lease-ttl", type=int, default=10, help="s (the default's)")
     parser.add_argument("--idle", type=float, default=30.0, help="idle window (s)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the logs (printed dir)")
