@@ -418,7 +418,9 @@ async def test_etcd_frozen_longer_than_the_lease_ttl_restores_keys_and_changes_n
         for rdzv in rdzvs:
             rdzv.on_event = lambda kind, **fields: events.append((kind, fields))
         await ride_out(rdzvs[:2], rdzvs[2], outage, quiet=3 * ttl)
-        assert all(r.reachability.outages >= 1 for r in rdzvs[:2])
+        for status in (r.outage_status() for r in rdzvs[:2]):  # what /status would show
+            assert status["reachable"] and status["outages"] >= 1
+            assert status["total_outage"] >= 2 * ttl and status["outage_limit"] is None
     kinds = [kind for kind, _ in events]
     assert "etcd_unreachable" in kinds and "etcd_reachable" in kinds
     replaced = [f for kind, f in events if kind == "etcd_lease_replaced"]
@@ -640,3 +642,22 @@ def test_local_addr_defaults_to_loopback_for_a_local_etcd() -> None:
 def test_config_rejects_a_run_id_with_a_slash() -> None:
     with pytest.raises(RendezvousConfigError, match="--rdzv-id"):
         make_config(endpoint="127.0.0.1", run_id="a/b", nnodes="1")
+
+
+@etcd
+async def test_metrics_collector_reports_reachability_and_traffic(server: EtcdMember) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from supervisor.rendezvous.etcd_metrics import EtcdCollector
+
+    async with agents([server.endpoint], 1, min_nodes=1, max_nodes=1) as (rdzv,):
+        registry = CollectorRegistry()
+        registry.register(EtcdCollector(rdzv))
+        with anyio.fail_after(10):
+            await rdzv.next_round(1)
+        text = generate_latest(registry).decode()
+    assert "elastic_supervisor_etcd_reachable 1.0" in text
+    assert "elastic_supervisor_etcd_outages_total 0.0" in text
+    requests = next(line for line in text.splitlines()
+                    if line.startswith("elastic_supervisor_etcd_requests_total"))
+    assert float(requests.split()[1]) >= 2
