@@ -176,3 +176,44 @@ async def test_tls_with_client_certificate(etcd: EtcdFactory, tmp_path: Path) ->
     async with EtcdClient([server.endpoint], tls=tls) as client:
         await client.put("/t/tls", "1")
         assert await client.get("/t/tls") is not None
+
+
+async def test_stats_count_requests_conflicts_and_watch_events(client: EtcdClient) -> None:
+    start = await client.put("/t/s/a", "1")
+    assert not (await client.txn([compare("/t/s/a", "VERSION", "=", 0)], [])).succeeded
+    with anyio.fail_after(5):
+        async with client.watch("/t/s/", prefix=True, start_revision=start) as watch:
+            await watch.__anext__()
+    stats = client.stats.as_dict()
+    assert stats["requests"] == 2 and stats["txns"] == 1 and stats["txn_conflicts"] == 1
+    assert stats["watches_opened"] == 1 and stats["watch_events"] == 1
+    assert stats["watch_bytes"] == 1 and stats["path:/v3/kv/txn"] == 1
+
+
+async def test_unlimited_retry_waits_out_an_outage_and_reports_it_once(
+        server: EtcdMember) -> None:
+    changes: list[bool] = []
+    down = anyio.Event()
+
+    def heard(up: bool, _: object) -> None:
+        changes.append(up)
+        if not up:
+            down.set()
+
+    async with EtcdClient([server.endpoint], timeout=1.0, retry_window=None,
+                          on_reachability=heard) as client:
+        await client.put("/t/o", "1")
+        server.kill()
+        got: list[object] = []
+        with anyio.fail_after(20):
+            async with anyio.create_task_group() as tg:
+                async def read() -> None:
+                    got.append(await client.get("/t/o"))
+
+                tg.start_soon(read)
+                await down.wait()  # a whole pass over the endpoints failed
+                await anyio.to_thread.run_sync(server.start)
+                await anyio.to_thread.run_sync(server.wait_healthy)
+        r = client.reachability
+    assert changes == [False, True] and r.outages == 1 and r.last_outage > 0
+    assert len(got) == 1 and got[0] is not None

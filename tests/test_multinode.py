@@ -348,7 +348,7 @@ async def test_three_nodes_form_one_group_and_succeed_together(
         with anyio.fail_after(30):
             codes = [await node.sup.wait(timeout=30) for node in job.nodes]
         assert codes == [0, 0, 0]
-        closed = await read_key(server.endpoint, job.run_id, "closed")
+        closed = await read_key(server.endpoint, job.run_id, "ctl/closed")
     envs = [[json.loads(p.read_text()) for p in sorted(d.glob("*.json"))] for d in dumps]
     assert [len(e) for e in envs] == [LOCAL] * 3
     assert_one_group([{int(e["LOCAL_RANK"]): e for e in node} for node in envs], 3)
@@ -427,7 +427,7 @@ async def test_sigterm_leaves_cleanly_and_the_others_continue(
         assert_one_group(after, 2)
         reformed = max(n.mono("group_started", asked) for n in others) - asked
         print(f"graceful leave: SIGTERM -> others running again in {reformed:.3f} s")
-        assert await read_key(server.endpoint, job.run_id, "closed") is None
+        assert await read_key(server.endpoint, job.run_id, "ctl/closed") is None
         for node in others:
             assert node.sup.process.returncode is None
             assert all(pid_alive(pid) for pid in node.current_pids())
@@ -464,7 +464,7 @@ async def test_worker_failure_restarts_every_node_with_one_job_wide_count(
         # not waiting for attempt 0 to print everywhere: rank 3 may fail first
         groups = await job.groups(nodes, 3 * LOCAL, restart=1)
         assert_one_group(groups, 3)
-        assert (await read_key(server.endpoint, job.run_id, "restarts"))["count"] == 1
+        assert (await read_key(server.endpoint, job.run_id, "ctl/restarts"))["count"] == 1
         scheduled = [e for n in nodes for e in n.events("restart_scheduled")]
         assert len(scheduled) == 1  # only the failing node used the budget
         for node in nodes:
@@ -478,7 +478,7 @@ async def test_exhausted_budget_fails_every_node(tmp_path: Path, server: EtcdMem
                        worker=["--exit", "7", "--fail-rank", "0", "--hang"]) as job:
         nodes = await job.start(3)
         codes = [await node.sup.wait(timeout=30) for node in nodes]
-        closed = await read_key(server.endpoint, job.run_id, "closed")
+        closed = await read_key(server.endpoint, job.run_id, "ctl/closed")
     assert sorted(codes)[-1] == 7 and codes.count(7) == 1  # the root cause's node
     assert 0 not in codes, codes
     assert closed["ok"] is False and "budget exhausted" in closed["reason"]
@@ -507,7 +507,7 @@ async def test_finished_node_does_not_leave_a_restarting_node_waiting(
         os.kill(min(b.current_pids()), signal.SIGKILL)
         assert await a.sup.wait(timeout=15) == 0  # its own workers did succeed
         code = await exit_code_within(b, 10)
-        closed = await read_key(server.endpoint, job.run_id, "closed")
+        closed = await read_key(server.endpoint, job.run_id, "ctl/closed")
     assert code not in (0, None)
     assert closed is not None and closed["ok"] is False
 
@@ -619,9 +619,10 @@ async def test_etcd_restarted_within_the_lease_ttl_restarts_nothing(
 
 
 @etcd
-async def test_etcd_gone_longer_than_the_lease_ttl_stops_every_node(
+async def test_etcd_gone_longer_than_the_outage_limit_stops_every_node(
         tmp_path: Path, server: EtcdMember) -> None:
-    async with cluster(tmp_path, server.endpoint, nnodes="2") as job:
+    async with cluster(tmp_path, server.endpoint, nnodes="2",
+                       conf=f"{FAST},outage_limit={TTL}") as job:
         a, b = await job.start(2)
         assert_one_group(await job.groups([a, b], 2 * LOCAL), 2)
         pids = sorted(a.current_pids() | b.current_pids())
@@ -631,8 +632,121 @@ async def test_etcd_gone_longer_than_the_lease_ttl_stops_every_node(
         print(f"etcd gone: nodes exited {time.monotonic() - down:.3f} s later")
         assert codes == [1, 1]
         await wait_dead(pids, timeout=5)
-        for node in (a, b):  # lease lost, or etcd still down when it tried to rejoin
-            assert "etcd" in node.events("finished")[-1]["reason"]
+        for node in (a, b):  # gave up, or etcd still down when it tried to rejoin
+            reason = node.events("finished")[-1]["reason"]
+            assert "etcd" in reason and not reason.rstrip().endswith(":"), reason
+
+
+async def assert_outage_ridden_out(job: Cluster, a: Node, b: Node, outage: Any,
+                                   quiet: float) -> None:
+    """Both nodes run through ``outage`` (async) and ``quiet`` seconds after it with no
+    restart and no membership change, warn once each, and still coordinate afterwards."""
+    assert_one_group(await job.groups([a, b], 2 * LOCAL), 2)
+    counts = [len(n.events("group_started")) for n in (a, b)]
+    pids = a.current_pids() | b.current_pids()
+    await outage()
+    await anyio.sleep(quiet)  # the behaviour under test: nothing happens after it either
+    assert restarts_since([a, b], counts) == [0, 0]
+    assert not a.events("membership_changed") and not b.events("membership_changed")
+    assert all(pid_alive(pid) for pid in pids)
+    for node in (a, b):
+        assert node.sup.err.text().count("etcd unreachable (") == 1, node.sup.err.text()
+    await assert_still_coordinated(job, a, b)
+
+
+@etcd
+async def test_etcd_gone_longer_than_the_lease_ttl_restarts_nothing_by_default(
+        tmp_path: Path, server: EtcdMember) -> None:
+    async def outage() -> None:
+        await anyio.to_thread.run_sync(server.kill)
+        await anyio.sleep(2.5 * TTL)  # the outage under test
+        await anyio.to_thread.run_sync(server.start)
+        await anyio.to_thread.run_sync(server.wait_healthy)
+
+    async with cluster(tmp_path, server.endpoint, nnodes="1:2") as job:
+        a, b = await job.start(2)
+        await assert_outage_ridden_out(job, a, b, outage, quiet=2 * TTL)
+
+
+def _freeze(members: Sequence[EtcdMember]) -> Any:
+    async def outage() -> None:
+        for member in members:
+            assert member.process is not None
+            member.process.send_signal(signal.SIGSTOP)
+        try:
+            await anyio.sleep(2.5 * TTL)  # the outage under test: every lease is overdue
+        finally:
+            for member in members:
+                assert member.process is not None
+                member.process.send_signal(signal.SIGCONT)
+    return outage
+
+
+@etcd
+async def test_all_etcd_members_frozen_longer_than_the_lease_ttl_restart_nothing(
+        tmp_path: Path, factory: EtcdFactory) -> None:
+    members = factory.cluster(3)
+    endpoint = ",".join(m.endpoint for m in members)
+    async with cluster(tmp_path, endpoint, nnodes="1:2") as job:
+        a, b = await job.start(2)
+        await assert_outage_ridden_out(job, a, b, _freeze(members), quiet=2 * TTL)
+
+
+def _quorum_loss(members: Sequence[EtcdMember], seconds: float) -> Any:
+    async def outage() -> None:
+        down = members[:2]
+        for member in down:
+            await anyio.to_thread.run_sync(member.kill)
+        await anyio.sleep(seconds)  # the outage under test: no quorum
+        for member in down:
+            member.start()
+        for member in down:
+            await anyio.to_thread.run_sync(member.wait_healthy)
+    return outage
+
+
+@etcd
+async def test_etcd_quorum_loss_for_twice_the_lease_ttl_restarts_nothing(
+        tmp_path: Path, factory: EtcdFactory) -> None:
+    members = factory.cluster(3)
+    endpoint = ",".join(m.endpoint for m in members)
+    async with cluster(tmp_path, endpoint, nnodes="1:2") as job:
+        a, b = await job.start(2)
+        await assert_outage_ridden_out(job, a, b, _quorum_loss(members, 2 * TTL), quiet=2 * TTL)
+
+
+@etcd
+@pytest.mark.slow
+async def test_etcd_quorum_loss_for_30s_restarts_nothing(
+        tmp_path: Path, factory: EtcdFactory) -> None:
+    members = factory.cluster(3)
+    endpoint = ",".join(m.endpoint for m in members)
+    async with cluster(tmp_path, endpoint, nnodes="1:2") as job:
+        a, b = await job.start(2)
+        await assert_outage_ridden_out(job, a, b, _quorum_loss(members, 30), quiet=2 * TTL)
+
+
+@etcd
+async def test_worker_failure_during_an_outage_restarts_once_etcd_returns(
+        tmp_path: Path, server: EtcdMember) -> None:
+    """The failing node stops its group at once; its restart waits for etcd; the job-wide
+    count is settled when etcd returns, and both nodes restart into one round."""
+    async with cluster(tmp_path, server.endpoint, nnodes="2",
+                       flags=["--max-restarts", "3"]) as job:
+        a, b = await job.start(2)
+        assert_one_group(await job.groups([a, b], 2 * LOCAL), 2)
+        b_pids = sorted(b.current_pids())
+        await anyio.to_thread.run_sync(server.kill)
+        os.kill(b_pids[0], signal.SIGKILL)
+        await wait_dead(b_pids, timeout=10)  # the local group stopped during the outage
+        assert all(pid_alive(pid) for pid in a.current_pids())  # a runs on meanwhile
+        await anyio.to_thread.run_sync(server.start)
+        await anyio.to_thread.run_sync(server.wait_healthy)
+        groups = await job.groups([a, b], 2 * LOCAL, restart=1, timeout=20)
+        assert_one_group(groups, 2)
+        assert (await read_key(server.endpoint, job.run_id, "ctl/restarts"))["count"] == 1
+        assert len(b.events("restart_scheduled")) == 1 and not a.events("restart_scheduled")
+        await stop_all([a, b])
 
 
 # ---------------------------------------------------------------------- 8. bad settings

@@ -1,39 +1,33 @@
-"""The etcd v3 rendezvous backend (DESIGN section 4).
+"""The etcd v3 rendezvous backend (DESIGN section 4), O(1) etcd work per agent per round.
 
-Keys live under ``/elastic-supervisor/<run_id>/`` as JSON values::
+Every agent follows only the job's control keys (``ctl/``, see ``etcd_state``) by one
+watch and writes only its own keys, each by one guarded txn: it joins a round, waits to be
+admitted, publishes the master (group rank 0), opens a new round after its own failure,
+marks itself done. One agent, the **leader** (whoever holds the lease-bound ``ctl/leader``
+key; another takes over when its lease goes), also follows the per-node keys and makes
+every job-wide decision: it closes a round (``max_nodes`` joined, ``last_call_timeout``
+passed since ``min_nodes`` joined, or every live node of the previous round rejoined, so
+restarts skip the last call), opens the next one when a member's key vanished or a node
+waits and there is room, and closes the job when every member finished. So a round costs
+each agent a constant number of requests and watch events whatever the job's size; the
+leader sees one event per node. Group ranks follow node ids, stable across rounds.
 
-    round                      {"round": N}        the current round (absent: 0)
-    rounds/N/join/<node>       lease-bound         joined round N (address, local world size)
-    rounds/N/wait/<node>       lease-bound         arrived after round N completed; wants in
-    rounds/N/result            {"members": [...]}  round N is complete; members by node id
-    rounds/N/master            {"addr", "port"}    published by group rank 0 of round N
-    rounds/N/done/<node>       not lease-bound     finished its workers (exit barrier)
-    restarts                   {"count": K}        job-wide failure restarts
-    closed                     {"ok", "reason"}    the job is over for everyone
-
-Every write is a txn guarded on what this node last saw, and every wait follows the prefix
-by watch (``PrefixView``), so nothing polls. A round completes when ``max_nodes`` joined,
-when ``last_call_timeout`` passed since ``min_nodes`` joined, or (improvement over torch)
-as soon as every live node of the previous round has rejoined, so restarts skip the last
-call. Group ranks follow node ids, which keeps them stable across rounds.
+etcd outages are ridden out (``outage_limit``; None: any length): nothing here gives up
+while etcd is unreachable, a lease that expired across the outage is replaced and this
+agent's keys restored, and the leader treats a member whose key vanished within one TTL of
+etcd's return as not lost yet, so a member set that re-forms identically is no change.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import logging
 import math
-import os
-import secrets
-import socket
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import asdict
 from typing import Any
-from urllib.parse import urlsplit
 
 import anyio
 from anyio.abc import TaskStatus
@@ -50,176 +44,44 @@ from supervisor.rendezvous.etcd_client import (
     EtcdError,
     EtcdLeaseNotFound,
     EtcdUnavailable,
-    KeyValue,
+    JsonDict,
     PrefixView,
-    TlsFiles,
+    Reachability,
     compare,
-    delete_op,
     open_prefix_view,
     put_op,
 )
+from supervisor.rendezvous.etcd_config import (
+    EtcdRendezvousConfig,
+    RendezvousConfigError,
+    make_config,
+    parse_endpoints,
+    parse_nnodes,
+    parse_rdzv_conf,
+)
+from supervisor.rendezvous.etcd_leader import Leader
+from supervisor.rendezvous.etcd_lease import LeaseKeeper, PausableDeadline
+from supervisor.rendezvous.etcd_state import (
+    ROOT,
+    Keys,
+    Member,
+    Policy,
+    State,
+    advance_txn,
+    close_job_txn,
+    round_guard,
+)
+
+__all__ = [
+    "ROOT", "EtcdRendezvous", "EtcdRendezvousConfig", "RendezvousConfigError", "make_config",
+    "open_etcd_rendezvous", "parse_endpoints", "parse_nnodes", "parse_rdzv_conf",
+]
 
 logger = logging.getLogger(__name__)
 
-ROOT = "/elastic-supervisor"
 _CAS_ATTEMPTS = 50
-
-
-# configuration
-
-
-class RendezvousConfigError(ValueError):
-    """A bad rendezvous setting; the message is one line meant for the user."""
-
-
-def _default_node_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-
-
-@dataclass(frozen=True)
-class EtcdRendezvousConfig:
-    """Settings of the etcd backend, validated on creation. ``local_addr`` "" means this
-    host's FQDN, or 127.0.0.1 when every endpoint is on loopback."""
-
-    endpoints: tuple[str, ...]
-    run_id: str
-    min_nodes: int
-    max_nodes: int
-    node_id: str = field(default_factory=_default_node_id)  # unique per agent
-    local_addr: str = ""
-    join_timeout: float = 600.0
-    last_call_timeout: float = 30.0
-    lease_ttl: int = 10
-    exit_barrier_timeout: float = 300.0
-    request_timeout: float = 5.0
-    tls: TlsFiles | None = None
-    user: str | None = None
-    password: str | None = field(default=None, repr=False)
-    # seconds etcd may be unreachable before this node gives up (None: the lease TTL)
-    outage_limit: float | None = None
-
-    def __post_init__(self) -> None:
-        _check(bool(self.endpoints), "--rdzv-endpoint: at least one etcd endpoint is required")
-        for name, value in (("--rdzv-id", self.run_id), ("node id", self.node_id)):
-            _check(bool(value) and "/" not in value and value.isprintable(),
-                   f"{name} must be non-empty, printable and without '/': {value!r}")
-        _check(1 <= self.min_nodes <= self.max_nodes,
-               f"--nnodes: need 1 <= MIN <= MAX, got {self.min_nodes}:{self.max_nodes}")
-        for name in ("join_timeout", "last_call_timeout", "lease_ttl", "exit_barrier_timeout",
-                     "request_timeout"):
-            value = getattr(self, name)
-            _check(0 < value < math.inf, f"{name} must be a positive number, got {value}")
-        _check(self.outage_limit is None or 0 < self.outage_limit < math.inf,
-               f"outage_limit must be a positive number, got {self.outage_limit}")
-        if not self.local_addr:
-            object.__setattr__(self, "local_addr", _default_local_addr(self.endpoints))
-
-    @property
-    def unreachable_limit(self) -> float:
-        """Seconds etcd may be unreachable before this node gives up."""
-        return self.lease_ttl if self.outage_limit is None else self.outage_limit
-
-
-def _check(ok: bool, message: str) -> None:
-    if not ok:
-        raise RendezvousConfigError(message)
-
-
-def _default_local_addr(endpoints: tuple[str, ...]) -> str:
-    try:
-        loopback = all(ipaddress.ip_address(urlsplit(e).hostname or "").is_loopback
-                       for e in endpoints)
-    except ValueError:  # a host name
-        loopback = all(urlsplit(e).hostname == "localhost" for e in endpoints)
-    return "127.0.0.1" if loopback else socket.getfqdn()
-
-
-_CONF_KEYS: dict[str, type] = {
-    "join_timeout": float, "timeout": float, "last_call_timeout": float, "lease_ttl": int,
-    "exit_barrier_timeout": float, "request_timeout": float, "outage_limit": float,
-    "node_id": str, "protocol": str,
-    "cacert": str, "cert": str, "key": str, "user": str, "password_file": str,
-}
-
-
-def parse_rdzv_conf(text: str) -> dict[str, str | int | float]:
-    """Parse ``--rdzv-conf k=v,...`` (``timeout`` is torchrun's name for ``join_timeout``)."""
-    conf: dict[str, str | int | float] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, raw = (x.strip() for x in item.partition("="))
-        _check(bool(sep and key), f"--rdzv-conf: expected key=value, got {item!r}")
-        kind = _CONF_KEYS.get(key)
-        _check(kind is not None,
-               f"--rdzv-conf: unknown key {key!r} (known: {', '.join(sorted(_CONF_KEYS))})")
-        conf["join_timeout" if key == "timeout" else key] = _conf_value(key, raw, kind or str)
-    _check(conf.get("protocol", "http") in ("http", "https"),
-           f"--rdzv-conf: protocol must be http or https, got {conf.get('protocol')!r}")
-    return conf
-
-
-def _conf_value(key: str, raw: str, kind: type) -> str | int | float:
-    if kind is str:
-        _check(bool(raw), f"--rdzv-conf: {key} is empty")
-        return raw
-    noun = "an integer" if kind is int else "a number"
-    try:
-        value: int | float = kind(raw)
-    except ValueError:
-        raise RendezvousConfigError(f"--rdzv-conf: {key}={raw!r} is not {noun}") from None
-    _check(0 < value < math.inf, f"--rdzv-conf: {key} must be positive, got {raw!r}")
-    return value
-
-
-def parse_nnodes(text: str) -> tuple[int, int]:
-    """``N`` or ``MIN:MAX`` -> (min, max)."""
-    parts = text.split(":")
-    try:
-        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
-    except ValueError:
-        low, high = 0, -1
-    _check(1 <= low <= high, f"--nnodes: expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
-    return low, high
-
-
-def parse_endpoints(text: str, *, https: bool = False) -> tuple[str, ...]:
-    """``host[:port],...`` (or URLs) -> URLs; the port defaults to 2379."""
-    urls = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        url = item if "://" in item else f"{'https' if https else 'http'}://{item}"
-        try:
-            parsed = urlsplit(url)
-            port = parsed.port or 2379
-        except ValueError:
-            raise RendezvousConfigError(f"--rdzv-endpoint: bad endpoint {item!r}") from None
-        _check(parsed.scheme in ("http", "https") and bool(parsed.hostname),
-               f"--rdzv-endpoint: bad endpoint {item!r}")
-        host = f"[{parsed.hostname}]" if ":" in (parsed.hostname or "") else parsed.hostname
-        urls.append(f"{parsed.scheme}://{host}:{port}")
-    _check(bool(urls), "--rdzv-endpoint: at least one etcd endpoint is required")
-    return tuple(urls)
-
-
-def make_config(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str = "",
-                local_addr: str | None = None) -> EtcdRendezvousConfig:
-    """Build the config from torchrun-style flags; raises ``RendezvousConfigError``."""
-    conf = parse_rdzv_conf(rdzv_conf)
-    files = {k: str(conf[k]) for k in ("cacert", "cert", "key") if k in conf}
-    https = conf.get("protocol") == "https" or bool(files)
-    min_nodes, max_nodes = parse_nnodes(nnodes)
-    password = None
-    if "password_file" in conf:
-        try:
-            password = Path(str(conf["password_file"])).read_text().rstrip("\n")
-        except OSError as exc:
-            raise RendezvousConfigError(f"--rdzv-conf: password_file: {exc.strerror}") from None
-    passed: dict[str, Any] = {k: v for k, v in conf.items()
-                              if k.endswith(("_timeout", "_ttl"))
-                              or k in ("node_id", "user", "outage_limit")}
-    return EtcdRendezvousConfig(
-        endpoints=parse_endpoints(endpoint, https=https), run_id=run_id,
-        min_nodes=min_nodes, max_nodes=max_nodes, local_addr=local_addr or "",
-        tls=TlsFiles(**files) if https else None, password=password, **passed,
-    )
+_Done = tuple[list[Member], tuple[str, int]]  # a finished round: members, (addr, port)
+EventHook = Callable[..., object]  # EventLog.emit(kind, **fields)
 
 
 @contextmanager
@@ -230,161 +92,79 @@ def _etcd_errors(what: str) -> Iterator[None]:
         raise RendezvousError(f"etcd rendezvous: {what} failed: {exc}") from exc
 
 
-@dataclass(frozen=True)
-class _Member:
-    node: str
-    addr: str
-    local_world_size: int
-
-
-_Done = tuple[list[_Member], tuple[str, int]]  # a finished round: members, (addr, port)
-
-
-class _State:
-    """The job's keys as one node last saw them (a read-only view of a ``PrefixView``)."""
-
-    def __init__(self, prefix: str, kvs: Mapping[str, KeyValue]) -> None:
-        self._prefix = prefix
-        self._kvs = kvs
-
-    def kv(self, *parts: object) -> KeyValue | None:
-        return self._kvs.get(self._prefix + "/".join(map(str, parts)))
-
-    def json(self, *parts: object) -> Any:
-        kv = self.kv(*parts)
-        if kv is None:
-            return None
-        try:
-            return json.loads(kv.value)
-        except ValueError as exc:
-            raise RendezvousError(f"etcd rendezvous: {kv.key} holds malformed JSON") from exc
-
-    @property
-    def round(self) -> int:
-        data = self.json("round")
-        return int(data["round"]) if data else 0
-
-    @property
-    def round_mod(self) -> int:
-        kv = self.kv("round")
-        return kv.mod_revision if kv else 0
-
-    @property
-    def closed(self) -> dict[str, Any] | None:
-        data: dict[str, Any] | None = self.json("closed")
-        return data
-
-    def nodes(self, n: int, kind: str) -> dict[str, KeyValue]:
-        """Node id -> key of ``rounds/n/<kind>/``."""
-        prefix = f"{self._prefix}rounds/{n}/{kind}/"
-        return {k[len(prefix):]: kv for k, kv in self._kvs.items() if k.startswith(prefix)}
-
-    def members(self, n: int) -> list[_Member] | None:
-        data = self.json("rounds", n, "result")
-        return [_Member(**m) for m in data["members"]] if data else None
-
-    def master(self, n: int) -> tuple[str, int] | None:
-        data = self.json("rounds", n, "master")
-        return (str(data["addr"]), int(data["port"])) if data else None
-
-
-class _LeaseKeeper:
-    """This agent's lease, refreshed every TTL/3; survives outages shorter than the TTL."""
-
-    def __init__(self, client: EtcdClient, ttl: int, limit: float | None = None) -> None:
-        self._client = client
-        self.id = 0
-        self.ttl = ttl
-        self.limit = limit  # seconds of outage to ride out (None: the TTL)
-        self.lost = anyio.Event()
-        self.lost_reason = ""
-        self._stopped = anyio.Event()
-
-    async def grant(self) -> None:
-        self.id, self.ttl = await self._client.lease_grant(self.ttl)
-        logger.info("etcd lease %x granted (ttl %ds)", self.id, self.ttl)
-
-    async def keep_alive(self) -> None:
-        """Refresh until stopped or lost; on failure retry quickly until the TTL runs out."""
-        last_ok, interval = time.monotonic(), self.ttl / 3
-        limit = self.ttl if self.limit is None else self.limit
-        while True:
-            with anyio.move_on_after(interval):
-                await self._stopped.wait()
-            if self._stopped.is_set():
-                return
-            sent = time.monotonic()
-            try:
-                with anyio.fail_after(max(last_ok + limit - sent, 0.01)):
-                    await self._client.lease_keepalive(self.id)
-            except EtcdLeaseNotFound:
-                return self._mark_lost(f"etcd lease {self.id:x} expired")
-            except (EtcdError, TimeoutError) as exc:
-                if self._stopped.is_set():
-                    return
-                if time.monotonic() - last_ok >= limit:
-                    what = "the lease TTL" if self.limit is None else "outage_limit"
-                    return self._mark_lost(
-                        f"etcd unreachable for longer than {what} ({limit:g}s): "
-                        f"{str(exc) or 'no answer'}")
-                logger.warning("etcd lease keepalive failed, retrying: %s", exc)
-                interval = min(self.ttl / 10, 0.5)
-                continue
-            last_ok, interval = sent, self.ttl / 3
-
-    def _mark_lost(self, reason: str) -> None:
-        logger.error("rendezvous membership lost: %s", reason)
-        self.lost_reason = reason
-        self.lost.set()
-
-    async def revoke(self) -> None:
-        """Stop refreshing and revoke, so this node's keys vanish now (best effort)."""
-        self._stopped.set()
-        if not self.id or self.lost.is_set():
-            return
-        try:
-            await self._client.lease_revoke(self.id)
-        except EtcdLeaseNotFound:
-            pass
-        except EtcdError as exc:
-            logger.warning("could not revoke etcd lease (it expires in %ds): %s", self.ttl, exc)
-
-
 class EtcdRendezvous:
-    """The ``Rendezvous`` backend over etcd v3. Start ``run`` in a task group first."""
+    """The ``Rendezvous`` backend over etcd v3. Start ``run`` in a task group first.
+
+    ``on_event`` (for example ``EventLog.emit``) hears ``etcd_unreachable``,
+    ``etcd_reachable`` and ``etcd_lease_replaced``; ``reachability`` and ``stats`` are the
+    client's live counters (outages, requests, conflicts, watch events)."""
 
     backend = "etcd"
 
-    def __init__(self, config: EtcdRendezvousConfig) -> None:
+    def __init__(self, config: EtcdRendezvousConfig, *, on_event: EventHook | None = None
+                 ) -> None:
         self.config = config
         self.run_id = config.run_id
         self.node_id = config.node_id
-        self._prefix = f"{ROOT}/{config.run_id}/"
-        # Ride out any outage shorter than the lease (the keys survive it), trying every
-        # member within one TTL even when one hangs.
+        self.on_event = on_event
+        self._keys = Keys(config.run_id)
+        self._policy = Policy(config.min_nodes, config.max_nodes, config.last_call_timeout)
+        # Each attempt is bounded so that a hung member is skipped within one TTL.
         timeout = min(config.request_timeout, config.lease_ttl / 3)
         self._client = EtcdClient(config.endpoints, timeout=timeout,
                                   tls=config.tls, user=config.user, password=config.password,
-                                  retry_window=config.unreachable_limit)
-        self._lease = _LeaseKeeper(self._client, config.lease_ttl, config.outage_limit)
+                                  retry_window=config.outage_limit,
+                                  on_reachability=self._on_reachability)
+        self._lease = LeaseKeeper(self._client, config.lease_ttl, self._lease_replaced)
+        self._leader = Leader(self._client, self._keys, self._policy, self._lease,
+                              config.node_id)
+        self._ctl: PrefixView | None = None
+        self._ready = anyio.Event()
         self._running = False
+        self._run_active = False
+        self._run_exited = anyio.Event()
         self._left = False
         self._closed = anyio.Event()
         self._last_round = -1  # the last round this node was handed
-        self._min_since: tuple[int, float] | None = None  # (round, when min_nodes was seen)
+        self._joined = -1  # the round this node's join key is in (-1: none)
+        self._waiting = -1  # the round this node's wait key is in
+        self._evicted = False  # lease lost while etcd was reachable: the others saw it go
+        self._held: dict[str, tuple[str, list[JsonDict]]] = {}  # lease-bound: value, guard
+        self._deadlines: set[PausableDeadline] = set()
         self._progress = "nothing read yet"
+        self.joined_at = 0.0  # monotonic: this agent's last join key was written
+        self.waited_at = 0.0  # monotonic: this agent's last wait key was written
 
     @property
     def lease_id(self) -> int:
-        """This agent's etcd lease (0 before ``run`` took it)."""
+        """This agent's etcd lease (0 before ``connect``)."""
         return self._lease.id
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Requests, txn conflicts, retries and watch events of this agent's client."""
+        return self._client.stats.as_dict()
+
+    @property
+    def reachability(self) -> Reachability:
+        return self._client.reachability
+
+    def outage_status(self) -> dict[str, Any]:
+        """For ``/status``: whether etcd answers, and the outages so far."""
+        r = self._client.reachability
+        return {"reachable": r.unreachable_since is None,
+                "unreachable_for": round(r.outage_age(time.monotonic()), 3),
+                "outages": r.outages, "last_outage": round(r.last_outage, 3),
+                "total_outage": round(r.total_outage, 3), "cause": r.cause or None,
+                "outage_limit": self.config.outage_limit}
 
     # lifecycle
 
     async def connect(self) -> None:
         """Take this node's lease (once). An unreachable etcd is retried until
-        ``join_timeout`` (nodes often start before the service is up); raises
-        ``RendezvousError`` if etcd is still unreachable then, or refuses."""
+        ``join_timeout`` (nodes often start before the service is up: a c10d host's etcd
+        among them); raises ``RendezvousError`` if etcd is still unreachable then, or
+        refuses. Each try is bounded by one lease TTL."""
         if self._lease.id:
             return
         deadline = time.monotonic() + self.config.join_timeout
@@ -393,7 +173,7 @@ class EtcdRendezvous:
             while True:
                 try:
                     with anyio.fail_after(max(deadline - time.monotonic(), 0.01)):
-                        await self._lease.grant()
+                        await self._lease.grant(bounded=True)
                     return
                 except (EtcdUnavailable, TimeoutError) as exc:
                     if time.monotonic() >= deadline:
@@ -406,15 +186,28 @@ class EtcdRendezvous:
                     last = str(exc) or last
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Connect (if not yet), report ready, then keep the lease alive until ``aclose()``
-        or cancellation; leaves and releases everything on the way out."""
+        """Connect (if not yet), follow the control keys, report ready, then keep the lease
+        alive and campaign for leadership until ``aclose()`` or cancellation; leaves and
+        releases everything on the way out."""
+        self._run_active = True
         try:
             await self.connect()
-            self._running = True
-            task_status.started()
-            await self._lease.keep_alive()
-            await self._closed.wait()
+            with _etcd_errors("reading the job's control keys"):
+                # bounded like connect(): the supervisor is still starting
+                async with open_prefix_view(self._client, self._keys.ctl,
+                                            retry_window=self.config.lease_ttl) as view:
+                    self._ctl = view
+                    self._running = True
+                    self._ready.set()
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(self._campaign)
+                        task_status.started()
+                        await self._lease.keep_alive()
+                        await self._closed.wait()
+                        tg.cancel_scope.cancel()
         finally:
+            self._run_active = False
+            self._run_exited.set()
             with anyio.CancelScope(shield=True):
                 await self.aclose()
 
@@ -434,196 +227,254 @@ class EtcdRendezvous:
             return
         await self.leave()
         self._closed.set()
+        if self._run_active:  # let run() close its watches before the session goes
+            with anyio.move_on_after(self.config.request_timeout):
+                await self._run_exited.wait()
         await self._client.aclose()
+
+    async def _usable(self) -> None:
+        """Wait until ``run`` follows the control keys; raise if it cannot be used."""
+        if not (self._run_active or self._running):
+            raise RuntimeError("EtcdRendezvous.run() must be started before use")
+        await self._ready.wait()
+        self._check_usable()
 
     def _check_usable(self) -> None:
         if not self._running:
             raise RuntimeError("EtcdRendezvous.run() must be started before use")
         if self._left:
             raise RendezvousError("this node already left the etcd rendezvous")
-        if self._lease.lost.is_set():
-            raise RendezvousError(self._lease.lost_reason)
+        if self._lease.given_up.is_set():
+            raise RendezvousError(self._lease.given_up_reason)
 
-    def _key(self, *parts: object) -> str:
-        return self._prefix + "/".join(map(str, parts))
+    def _emit(self, kind: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, **fields)
 
-    @asynccontextmanager
-    async def _view(self) -> AsyncIterator[PrefixView]:
-        async with open_prefix_view(self._client, self._prefix) as view:
-            yield view
+    # outages
 
-    def _state(self, view: PrefixView) -> _State:
-        return _State(self._prefix, view.kvs)
+    def _on_reachability(self, reachable: bool, r: Reachability) -> None:
+        if not self._lease.id:
+            return  # start-up: connect() reports an unusable endpoint in one line itself
+        if reachable:
+            logger.warning("etcd reachable again after %.1fs", r.last_outage)
+            for deadline in self._deadlines:
+                deadline.resume()
+            self._emit("etcd_reachable", outage=round(r.last_outage, 3), outages=r.outages)
+            return
+        limit = self.config.outage_limit
+        logger.warning("etcd unreachable (%s); the workers run on, waiting for etcd %s", r.cause,
+                       "for as long as it takes" if limit is None else f"for up to {limit:g}s")
+        for deadline in self._deadlines:
+            deadline.pause()
+        self._emit("etcd_unreachable", cause=r.cause, outage_limit=limit)
 
-    async def _wait(self, view: PrefixView, seen: int, deadline: float = math.inf) -> None:
-        """Until the view moves past version ``seen``, ``deadline`` passes or the lease is lost."""
+    @contextmanager
+    def _join_deadline(self) -> Iterator[anyio.CancelScope]:
+        """A cancel scope of ``join_timeout`` that does not run while etcd is unreachable."""
+        with anyio.CancelScope() as scope:
+            deadline = PausableDeadline(scope, self.config.join_timeout)
+            if self._client.reachability.unreachable_since is not None:
+                deadline.pause()
+            self._deadlines.add(deadline)
+            try:
+                yield scope
+            finally:
+                self._deadlines.discard(deadline)
+
+    async def _lease_replaced(self, across_outage: bool) -> None:
+        """The lease expired and a new one was granted: restore this agent's keys if it
+        expired across an outage; otherwise the others saw this node leave: say so."""
+        self._emit("etcd_lease_replaced", lease=f"{self._lease.id:x}", across_outage=across_outage)
+        if not across_outage:
+            self._evicted = True
+            self._held.clear()
+            self._joined = self._waiting = -1
+            self._notify_ctl()
+            return
+        for key, (value, guard) in list(self._held.items()):
+            try:
+                result = await self._client.txn(guard, [put_op(key, value, lease=self._lease.id)])
+            except EtcdError as exc:
+                logger.warning("cannot restore %s after the outage: %s", key, exc)
+                result = None
+            if result is None or not result.succeeded:
+                self._held.pop(key, None)  # the job moved on meanwhile: the watch shows how
+        logger.info("restored %d etcd key(s) under the new lease %x", len(self._held),
+                    self._lease.id)
+
+    def _notify_ctl(self) -> None:
+        if self._ctl is not None:
+            self._ctl.poke()  # waiters re-check this agent's own state
+
+    # the control view
+
+    def _state(self) -> State:
+        assert self._ctl is not None
+        return State(self._keys, self._ctl.kvs)
+
+    async def _wait(self, seen: int, until: float = math.inf) -> None:
+        """Until the control view moves past version ``seen``, ``until`` (monotonic)
+        passes or the rendezvous gave up."""
+        assert self._ctl is not None
         failure: EtcdError | None = None
-        with anyio.move_on_after(deadline - time.monotonic()):
+        with anyio.move_on_after(until - time.monotonic()):
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._cancel_on_loss, tg.cancel_scope)
+                tg.start_soon(self._cancel_on_give_up, tg.cancel_scope)
                 try:
-                    await view.wait_changed(seen)
+                    await self._ctl.wait_changed(seen)
                 except EtcdError as exc:  # raised below, not wrapped in an ExceptionGroup
                     failure = exc
                 tg.cancel_scope.cancel()
-        if failure is not None:
+        if isinstance(failure, EtcdUnavailable):  # the watch waited out outage_limit
+            self._lease.give_up(failure)
+        elif failure is not None:
             raise failure
         self._check_usable()
 
-    async def _cancel_on_loss(self, scope: anyio.CancelScope) -> None:
-        await self._lease.lost.wait()
+    async def _cancel_on_give_up(self, scope: anyio.CancelScope) -> None:
+        await self._lease.given_up.wait()
         scope.cancel()
 
-    async def _write(self, view: PrefixView, compares: list[dict[str, Any]],
-                     success: list[dict[str, Any]]) -> bool:
-        """A guarded txn; then re-read so the next decision sees its effect."""
+    async def _write(self, compares: list[JsonDict], success: list[JsonDict], *,
+                     seen_in_view: bool = True) -> bool:
+        """A guarded txn. On success wait until the view has its effect (the watch brings
+        it: no re-read) unless it wrote outside ``ctl/``; on a conflict re-read the control
+        keys once, so the next decision sees what changed."""
+        assert self._ctl is not None
         result = await self._client.txn(compares, success)
-        await view.refresh()
+        if not result.succeeded:
+            await self._ctl.refresh()
+        elif seen_in_view:
+            with anyio.move_on_after(self._client.timeout):
+                await self._ctl.wait_revision(result.revision)
         return result.succeeded
 
-    def _is_mine(self, kv: KeyValue | None) -> bool:
-        return kv is not None and kv.lease == self._lease.id
+    async def _put_held(self, key: str, value: str, guard: list[JsonDict], *,
+                        seen_in_view: bool, restore_guard: list[JsonDict] | None = None
+                        ) -> bool:
+        """Put a lease-bound key of this agent, remembered (with the comparisons that must
+        still hold then, default ``guard``) for restoring it after an outage."""
+        lease = self._lease.id
+        try:
+            ok = await self._write(guard, [put_op(key, value, lease=lease)],
+                                   seen_in_view=seen_in_view)
+        except EtcdLeaseNotFound:  # expired across an outage, not replaced yet: now
+            await self._lease.replace(lease)
+            return False
+        if ok:
+            self._held[key] = (value, guard if restore_guard is None else restore_guard)
+        return ok
 
     # rounds
 
     async def next_round(self, local_world_size: int) -> RendezvousResult:
-        """Join the next round and wait (at most ``join_timeout``) until it completes."""
-        self._check_usable()
+        """Join the next round and wait until it completes: at most ``join_timeout`` while
+        etcd answers, plus any outage (bounded by ``outage_limit``)."""
+        await self._usable()
+        self._evicted = False
         started = time.monotonic()
         result: RendezvousResult | None = None
-        with _etcd_errors("joining a round"), anyio.move_on_after(self.config.join_timeout):
-            async with self._view() as view:
-                result = await self._rendezvous(view, local_world_size, started)
+        with _etcd_errors("joining a round"), self._join_deadline():
+            result = await self._rendezvous(local_world_size, started)
         if result is None:
             raise RendezvousError(f"etcd rendezvous {self.run_id} timed out after "
-                                  f"{self.config.join_timeout:g}s: {self._progress}")
+                                  f"{self.config.join_timeout:g}s: {await self._describe()}")
         logger.info("etcd rendezvous round %d complete in %.3fs: group rank %d of %d, "
                     "master %s:%d", result.round, result.duration, result.group_rank,
                     result.group_world_size, result.master_addr, result.master_port)
         return result
 
-    async def _rendezvous(self, view: PrefixView, lws: int, started: float) -> RendezvousResult:
+    async def _describe(self) -> str:
+        """Where the round stands, for a timeout message (one count request, best effort)."""
+        n = self._state().round
+        if self._state().members(n) is not None:
+            return self._progress
+        try:
+            with anyio.move_on_after(self._client.timeout):
+                count = await self._client.count(self._keys.node(n, "join"), prefix=True)
+                return (f"round {n}: {count} node(s) joined, need {self.config.min_nodes} "
+                        f"(max {self.config.max_nodes})")
+        except EtcdError:
+            pass
+        return self._progress
+
+    async def _rendezvous(self, lws: int, started: float) -> RendezvousResult:
+        assert self._ctl is not None
         while True:
-            seen, state = view.version, self._state(view)
+            seen, state = self._ctl.version, self._state()
             if state.closed is not None:
                 raise RendezvousClosed(f"job {self.run_id} is closed: {state.closed['reason']}")
-            step = await self._step(view, state, lws)
-            if isinstance(step, tuple):
-                return self._result(state.round, *step, started)
-            await self._wait(view, seen, step)
+            done = await self._step(state, lws)
+            if isinstance(done, tuple):
+                return self._result(state.round, *done, started)
+            if not done:
+                await self._wait(seen)
 
-    async def _step(self, view: PrefixView, state: _State, lws: int) -> _Done | float:
-        """One decision: the members and master of a finished round, or a deadline to wait
-        until (0: decide again now, inf: until something changes)."""
+    async def _step(self, state: State, lws: int) -> _Done | bool:
+        """One decision: a finished round, or whether something was written (decide again
+        now) rather than waiting for a change."""
         n = state.round
         members = state.members(n)
         if members is None:
-            return await self._joining(view, state, n, lws)
-        is_member = self.node_id in {m.node for m in members}
-        if is_member and self._is_mine(state.nodes(n, "join").get(self.node_id)):
+            if self._joined == n:
+                self._progress = f"round {n}: joined; waiting for the leader to close it"
+                return False
+            return await self._join(state, n, lws) or True
+        if self.node_id in {m.node for m in members} and self._joined == n:
             if n > self._last_round:
-                return await self._finishing(view, state, n, members)
-            await self._advance(view, state, n)  # restarting from a round it already ran
-            return 0.0
-        return await self._waiting(view, state, n, members)
+                return await self._finishing(state, n, members)
+            await self._advance(state, n, "")  # restarting from a round it already ran
+            return True
+        return await self._waiting_room(state, n, members)
 
-    async def _joining(self, view: PrefixView, state: _State, n: int, lws: int) -> float:
-        joined = state.nodes(n, "join")
-        cfg = self.config
-        self._progress = (f"round {n}: {len(joined)} node(s) joined, need {cfg.min_nodes} "
-                          f"(max {cfg.max_nodes})")
-        if not self._is_mine(joined.get(self.node_id)):
-            me = _Member(self.node_id, cfg.local_addr, lws)
-            await self._write(view, [
-                *self._round_guard(state),
-                compare(self._key("rounds", n, "result"), "VERSION", "=", 0)],
-                [put_op(self._key("rounds", n, "join", self.node_id), json.dumps(asdict(me)),
-                        lease=self._lease.id)])
-            return 0.0
-        if len(joined) < cfg.min_nodes:
-            self._min_since = None
-            return math.inf
-        if len(joined) >= cfg.max_nodes or self._previous_round_rejoined(state, n, joined):
-            await self._complete(view, state, n, joined)
-            return 0.0
-        if self._min_since is None or self._min_since[0] != n:
-            self._min_since = (n, time.monotonic())
-        last_call = self._min_since[1] + cfg.last_call_timeout
-        if time.monotonic() >= last_call:
-            await self._complete(view, state, n, joined)
-            return 0.0
-        return last_call
+    async def _join(self, state: State, n: int, lws: int) -> bool:
+        me = Member(self.node_id, self.config.local_addr, lws)
+        same_round = round_guard(state)
+        guard = [*same_round, compare(self._keys.result(n), "VERSION", "=", 0)]
+        # restored after an outage even once the round is complete: it is still a member
+        ok = await self._put_held(self._keys.node(n, "join", self.node_id),
+                                  json.dumps(asdict(me)), guard, seen_in_view=False,
+                                  restore_guard=same_round)
+        if ok:
+            self._joined, self.joined_at = n, time.monotonic()
+        return ok
 
-    def _previous_round_rejoined(self, state: _State, n: int, joined: dict[str, KeyValue]) -> bool:
-        """Every node still alive from round n-1 (members and waiters) joined round n."""
-        if n == 0 or state.members(n - 1) is None:
-            return False
-        alive = set(state.nodes(n - 1, "join")) | set(state.nodes(n - 1, "wait"))
-        return bool(alive) and alive <= set(joined)
-
-    def _round_guard(self, state: _State) -> list[dict[str, Any]]:
-        """Comparisons: the round did not move on and the job is not closed."""
-        return [compare(self._key("round"), "MOD", "=", state.round_mod),
-                compare(self._key("closed"), "VERSION", "=", 0)]
-
-    async def _complete(self, view: PrefixView, state: _State, n: int,
-                        joined: dict[str, KeyValue]) -> None:
-        chosen = sorted(joined.values(), key=lambda kv: kv.create_revision)
-        chosen = chosen[: self.config.max_nodes]
-        members = sorted((json.loads(kv.value) for kv in chosen), key=lambda m: str(m["node"]))
-        guard = self._round_guard(state) + [
-            compare(self._key("rounds", n, "result"), "VERSION", "=", 0),
-            compare(self._key("rounds", n, "join", ""), "MOD", "<", view.revision + 1,
-                    prefix=True),
-        ] + [compare(kv.key, "CREATE", "=", kv.create_revision) for kv in chosen]
-        result = put_op(self._key("rounds", n, "result"), json.dumps({"members": members}))
-        if await self._write(view, guard, [result]):
-            logger.info("etcd rendezvous round %d closed with %d node(s)", n, len(members))
-
-    async def _finishing(self, view: PrefixView, state: _State, n: int,
-                         members: list[_Member]) -> _Done | float:
-        joined = state.nodes(n, "join")
-        if any(m.node not in joined for m in members):
-            await self._advance(view, state, n)  # a member died before the round started
-            return 0.0
+    async def _finishing(self, state: State, n: int, members: list[Member]) -> _Done | bool:
         master = state.master(n)
         if master is not None:
             return members, master
-        if members[0].node == self.node_id:
-            addr = members[0].addr
-            await self._write(view, [
-                *self._round_guard(state),
-                compare(self._key("rounds", n, "master"), "VERSION", "=", 0)],
-                [put_op(self._key("rounds", n, "master"),
-                        json.dumps({"addr": addr, "port": free_port(addr)}))])
-            return 0.0
-        self._progress = f"round {n}: waiting for group rank 0 to publish the master port"
-        return math.inf
+        if members[0].node != self.node_id:
+            self._progress = f"round {n}: waiting for group rank 0 to publish the master port"
+            return False
+        addr = self.config.local_addr
+        await self._write(
+            [*round_guard(state), compare(self._keys.master(n), "VERSION", "=", 0)],
+            [put_op(self._keys.master(n), json.dumps({"addr": addr, "port": free_port(addr)}))])
+        return True
 
-    async def _waiting(self, view: PrefixView, state: _State, n: int,
-                       members: list[_Member]) -> float:
-        """This node is not in round n: ask the members for a new round, or start one."""
-        joined = state.nodes(n, "join")
-        if not any(m.node in joined for m in members):
-            await self._advance(view, state, n)  # nobody of round n is left
-            return 0.0
-        if not self._is_mine(state.nodes(n, "wait").get(self.node_id)):
-            await self._write(view, self._round_guard(state), [put_op(
-                self._key("rounds", n, "wait", self.node_id), "{}", lease=self._lease.id)])
-            return 0.0
+    async def _waiting_room(self, state: State, n: int, members: list[Member]) -> bool:
+        """This node is not in round n: ask to be admitted (the leader opens a new round
+        when there is room, or when round n lost a member)."""
+        if self._waiting != n:
+            ok = await self._put_held(self._keys.node(n, "wait", self.node_id), "{}",
+                                      round_guard(state), seen_in_view=False)
+            if ok:
+                self._waiting, self.waited_at = n, time.monotonic()
+            return True
         self._progress = (f"waiting to be admitted: round {n} runs with {len(members)} "
                           f"node(s) (max {self.config.max_nodes})")
-        return math.inf
+        return False
 
-    async def _advance(self, view: PrefixView, state: _State, n: int) -> None:
+    async def _advance(self, state: State, n: int, reason: str) -> bool:
         """Open round n+1 (if nobody did yet) and forget round n-1."""
-        ops = [put_op(self._key("round"), json.dumps({"round": n + 1}))]
-        if n >= 1:
-            ops.append(delete_op(self._key("rounds", n - 1, ""), prefix=True))
-        if await self._write(view, self._round_guard(state), ops):
-            logger.info("etcd rendezvous: opened round %d", n + 1)
+        ok = await self._write(*advance_txn(state, reason, self.node_id))
+        if ok:
+            logger.info("etcd rendezvous: opened round %d%s", n + 1,
+                        f" ({reason})" if reason else "")
+        return ok
 
-    def _result(self, n: int, members: list[_Member], master: tuple[str, int],
+    def _result(self, n: int, members: list[Member], master: tuple[str, int],
                 started: float) -> RendezvousResult:
         ids = [m.node for m in members]
         rank = ids.index(self.node_id)
@@ -639,78 +490,78 @@ class EtcdRendezvous:
     # while the round runs
 
     async def wait_membership_change(self, result: RendezvousResult) -> str:
-        """Return why round ``result`` is outdated: a node waits and there is room, a member
-        vanished, another node opened a new round, or the job closed. Raises
-        ``RendezvousError`` if this node's own lease is lost."""
-        self._check_usable()
+        """Return why round ``result`` is outdated: the leader (or a restarting node) opened
+        a new round, or the job closed. Raises ``RendezvousError`` if this node's own lease
+        was lost while etcd was reachable (the others saw it leave)."""
+        await self._usable()
+        assert self._ctl is not None
         with _etcd_errors("watching membership"):
-            async with self._view() as view:
-                while True:
-                    seen = view.version
-                    reason = self._membership_change(self._state(view), result)
-                    if reason is not None:
-                        logger.info("etcd rendezvous round %d outdated: %s", result.round, reason)
-                        return reason
-                    await self._wait(view, seen)
+            while True:
+                seen = self._ctl.version
+                reason = self._membership_change(self._state(), result)
+                if reason is not None:
+                    logger.info("etcd rendezvous round %d outdated: %s", result.round, reason)
+                    return reason
+                await self._wait(seen)
 
-    def _membership_change(self, state: _State, result: RendezvousResult) -> str | None:
-        n = result.round
+    def _membership_change(self, state: State, result: RendezvousResult) -> str | None:
         if state.closed is not None:
             return f"job closed: {state.closed['reason']}"
-        if state.round > n:
-            return f"round {state.round} was opened by another node"
-        joined, done = state.nodes(n, "join"), state.nodes(n, "done")
-        if not self._is_mine(joined.get(self.node_id)):
-            raise RendezvousError(f"this node's etcd lease {self._lease.id:x} was lost")
-        lost = [m for m in result.members if m not in joined and m not in done]
-        if lost:
-            return f"node(s) lost: {', '.join(lost)}"
-        waiting = state.nodes(n, "wait")
-        # Once a node finished, the job is ending: do not restart it for a newcomer.
-        if waiting and not done and len(result.members) < self.config.max_nodes:
-            return f"node(s) waiting to join: {', '.join(sorted(waiting))}"
+        if state.round > result.round:
+            return state.round_reason or f"round {state.round} was opened by another node"
+        if self._evicted:
+            raise RendezvousError(f"this node's etcd lease was lost (now {self._lease.id:x})")
         return None
 
     async def exit_barrier(self, result: RendezvousResult, timeout: float) -> BarrierResult:
-        """Mark this node done for the round and wait (at most ``timeout``) for the others.
-        On success the job is closed as succeeded; ok=False at once if it failed or moved on."""
-        pending: list[str] = list(result.members)
+        """Mark this node done for the round and wait (at most ``timeout``) until the leader
+        saw every member done and closed the job as succeeded; ok=False at once if the job
+        failed or moved on."""
+        n = result.round
         try:
             with _etcd_errors("exit barrier"), anyio.move_on_after(timeout):
-                await self._client.put(self._key("rounds", result.round, "done", self.node_id),
-                                       "{}")  # not lease-bound: it must outlive this node
-                async with self._view() as view:
-                    while True:
-                        seen, state = view.version, self._state(view)
-                        pending = [m for m in result.members
-                                   if m not in state.nodes(result.round, "done")]
-                        verdict = self._barrier_verdict(state, result, pending)
-                        if verdict is not None:
-                            return await self._after_barrier(state, verdict)
-                        await view.wait_changed(seen)
+                await self._usable()
+                assert self._ctl is not None
+                # not lease-bound: it must outlive this node
+                await self._client.put(self._keys.node(n, "done", self.node_id), "{}")
+                while True:
+                    seen, state = self._ctl.version, self._state()
+                    verdict = self._barrier_verdict(state, result)
+                    if verdict is not None:
+                        return await self._after_barrier(state, verdict)
+                    await self._ctl.wait_changed(seen)
         except RendezvousError as exc:
             return BarrierResult(False, str(exc))
+        pending = await self._pending(result)
         return BarrierResult(False, f"exit barrier timed out after {timeout:g}s waiting for "
                                     f"{', '.join(pending)}")
 
-    def _barrier_verdict(self, state: _State, result: RendezvousResult,
-                         pending: list[str]) -> BarrierResult | None:
-        if not pending:
-            return BarrierResult(True, f"all {len(result.members)} node(s) finished")
+    async def _pending(self, result: RendezvousResult) -> list[str]:
+        """Members not done yet (one read, best effort)."""
+        try:
+            with anyio.move_on_after(self._client.timeout):
+                found = await self._client.range(self._keys.node(result.round, "done"),
+                                                 prefix=True)
+                done = {kv.key.rsplit("/", 1)[-1] for kv in found.kvs}
+                return [m for m in result.members if m not in done]
+        except EtcdError:
+            pass
+        return [m for m in result.members if m != self.node_id]
+
+    def _barrier_verdict(self, state: State, result: RendezvousResult) -> BarrierResult | None:
         closed = state.closed
-        if closed is not None and not closed.get("ok"):
+        if closed is not None:
+            if closed.get("ok"):
+                return BarrierResult(True, f"all {len(result.members)} node(s) finished")
             return BarrierResult(False, f"job failed: {closed['reason']}")
         if state.round > result.round:
-            return BarrierResult(False, f"round {state.round} was opened during the exit barrier")
-        lost = [m for m in pending if m not in state.nodes(result.round, "join")]
-        if lost:
-            return BarrierResult(False, f"node(s) lost before finishing: {', '.join(lost)}")
+            why = state.round_reason
+            return BarrierResult(False, f"round {state.round} was opened during the exit "
+                                        f"barrier{f' ({why})' if why else ''}")
         return None
 
-    async def _after_barrier(self, state: _State, verdict: BarrierResult) -> BarrierResult:
-        if verdict.ok:
-            await self._close(ok=True, reason="job succeeded")
-        elif state.closed is None:
+    async def _after_barrier(self, state: State, verdict: BarrierResult) -> BarrierResult:
+        if not verdict.ok and state.closed is None:
             # The job moved on (a restart opened a new round, or a member was lost and one
             # will be): this node is done and never rejoins, so the others would wait for it
             # until join_timeout. Close the job, as torchrun's finished agent does.
@@ -721,34 +572,67 @@ class EtcdRendezvous:
     # job-wide
 
     async def record_failure_restart(self, message: str) -> int:
-        """Add one failure restart to the job-wide counter (compare-and-swap); the new count."""
-        key = self._key("restarts")
+        """Add one failure restart to the job-wide counter (compare-and-swap on the value
+        the control view holds); the new count. Waits out an outage (``outage_limit``)."""
+        await self._usable()
+        key = self._keys.restarts
         with _etcd_errors("counting a restart"):
             for _ in range(_CAS_ATTEMPTS):
-                kv = await self._client.get(key)
+                kv = self._state().kv(key)
                 count = (json.loads(kv.value)["count"] if kv else 0) + 1
                 value = json.dumps({"count": count, "last": message, "node": self.node_id})
                 guard = [compare(key, "MOD", "=", kv.mod_revision if kv else 0)]
-                if (await self._client.txn(guard, [put_op(key, value)])).succeeded:
+                if await self._write(guard, [put_op(key, value)]):
                     return int(count)
         raise RendezvousError("etcd rendezvous: restart counter too contended to update")
 
     async def restart_count(self) -> int:
-        """The job-wide failure restart count."""
+        """The job-wide failure restart count (one read: it must include other nodes'
+        latest counts)."""
         with _etcd_errors("reading the restart counter"):
-            kv = await self._client.get(self._key("restarts"))
+            kv = await self._client.get(self._keys.restarts)
         return int(json.loads(kv.value)["count"]) if kv else 0
 
     async def fail_job(self, message: str) -> None:
-        """Close the job for every node (the first reason recorded wins)."""
+        """Close the job for every node (the first reason recorded wins). Bounded by one
+        lease TTL: a node that gives up must not wait out an etcd outage on its way out."""
         with _etcd_errors("closing the job"):
-            await self._close(ok=False, reason=message)
+            with anyio.move_on_after(self.config.lease_ttl) as scope:
+                await self._close(ok=False, reason=message)
+            if scope.cancelled_caught:
+                raise RendezvousError(f"etcd rendezvous: closing the job failed: etcd did "
+                                      f"not answer within {self.config.lease_ttl}s")
         logger.error("etcd rendezvous %s closed as failed: %s", self.run_id, message)
 
     async def _close(self, *, ok: bool, reason: str) -> None:
-        key = self._key("closed")
-        value = json.dumps({"ok": ok, "reason": reason, "node": self.node_id})
-        await self._client.txn([compare(key, "VERSION", "=", 0)], [put_op(key, value)])
+        await self._client.txn(*close_job_txn(self._keys, ok=ok, reason=reason,
+                                              node=self.node_id))
+
+    # leadership
+
+    async def _campaign(self) -> None:
+        """Hold the leader key when nobody does, and lead while holding it."""
+        assert self._ctl is not None
+        delay = 0.05
+        while not self._lease.given_up.is_set():
+            seen, leader = self._ctl.version, self._state().leader
+            try:
+                if leader is None:
+                    await self._put_held(self._keys.leader, json.dumps({"node": self.node_id}),
+                                         [compare(self._keys.leader, "VERSION", "=", 0)],
+                                         seen_in_view=True)
+                    continue
+                if leader.lease == self._lease.id:
+                    await self._leader.lead()
+                    continue
+                await self._ctl.wait_changed(seen)
+                delay = 0.05
+            except (EtcdError, RendezvousError) as exc:
+                if self._lease.given_up.is_set() or self._closed.is_set():
+                    return
+                logger.warning("etcd rendezvous leader duty failed, retrying: %s", exc)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
 
 @asynccontextmanager

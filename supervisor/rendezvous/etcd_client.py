@@ -4,11 +4,14 @@ Why not gRPC: grpcio's fork handlers crash children that the supervisor spawns (
 and the gateway (``/v3/kv/...``, ``/v3/lease/...``, ``/v3/watch``) needs no new dependency.
 Keys and values are base64 in the gateway's JSON and int64 fields arrive as strings.
 
-Every call is bounded: each attempt by ``timeout``; a connection failure (or an
-"unavailable" answer) moves on to the next endpoint, and when every endpoint failed the
-client retries with backoff for up to ``retry_window`` seconds (0: one pass) before raising
-``EtcdUnavailable``. It then sticks to the endpoint that answered. Passwords and tokens are
-never logged.
+Every attempt is bounded by ``timeout``; a connection failure (or an "unavailable" answer)
+moves on to the next endpoint, and when every endpoint failed the client retries with
+backoff until the outage is ``retry_window`` seconds old (0: one pass; None: for as long as
+it lasts) before raising ``EtcdUnavailable``. An outage starts with the first pass in which
+no endpoint answered and ends with the next answer, whichever call gets it; ``reachability``
+says where it stands and ``on_reachability`` hears each change. The client then sticks to
+the endpoint that answered. ``stats`` counts requests, txn conflicts, retries and watch
+events (for the scale benchmark and the cost model). Passwords and tokens are never logged.
 """
 
 from __future__ import annotations
@@ -21,9 +24,10 @@ import json
 import logging
 import ssl
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
@@ -123,6 +127,46 @@ class TxnResult:
     responses: tuple[JsonDict, ...]
 
 
+@dataclass
+class EtcdStats:
+    """What one client sent and received (monotonic counts, never reset)."""
+
+    requests: int = 0  # HTTP requests sent, retries included (watch streams excluded)
+    failed_attempts: int = 0  # requests to one endpoint that failed (down, timeout)
+    retry_passes: int = 0  # passes over every endpoint that all failed (then backoff)
+    txns: int = 0
+    txn_conflicts: int = 0  # txns whose comparisons did not hold
+    watches_opened: int = 0  # watch streams opened, reconnects included
+    watch_events: int = 0  # events received on every watch stream
+    watch_bytes: int = 0  # bytes of the values those events carried
+    by_path: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, int]:
+        flat = {k: v for k, v in vars(self).items() if isinstance(v, int)}
+        flat.update({f"path:{p}": n for p, n in self.by_path.items()})
+        return flat
+
+
+@dataclass
+class Reachability:
+    """Whether etcd answers, as this client last found out (monotonic times)."""
+
+    unreachable_since: float | None = None  # the current outage began (None: reachable)
+    cause: str = ""  # why the last pass failed, when unreachable
+    outages: int = 0  # outages so far (a pass in which no endpoint answered)
+    last_outage: float = 0.0  # seconds the last finished outage lasted
+    total_outage: float = 0.0  # seconds unreachable over all finished outages
+    recovered_at: float | None = None  # when the last outage ended
+    last_failure_at: float | None = None  # the last pass in which no endpoint answered
+
+    def outage_age(self, now: float) -> float:
+        """Seconds the current outage has lasted (0 when reachable)."""
+        return 0.0 if self.unreachable_since is None else now - self.unreachable_since
+
+
+ReachabilityHook = Callable[[bool, Reachability], None]  # (reachable now?, state)
+
+
 def _b64(text: str | bytes) -> str:
     raw = text.encode() if isinstance(text, str) else text
     return base64.b64encode(raw).decode()
@@ -209,13 +253,17 @@ class EtcdClient:
         tls: TlsFiles | None = None,
         user: str | None = None,
         password: str | None = None,
-        retry_window: float = 0.0,
+        retry_window: float | None = 0.0,
+        on_reachability: ReachabilityHook | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is required")
         self.endpoints = tuple(e.rstrip("/") for e in endpoints)
         self.timeout = timeout
         self.retry_window = retry_window
+        self.stats = EtcdStats()
+        self.reachability = Reachability()
+        self.on_reachability = on_reachability
         self._tls = tls
         self._user = user
         self._password = password
@@ -277,10 +325,43 @@ class EtcdClient:
             self._token = str(data["token"])
         return {"Authorization": self._token}
 
+    def _reached(self) -> None:
+        """An endpoint answered: end the outage, if there was one."""
+        r = self.reachability
+        if r.unreachable_since is None:
+            return
+        now = time.monotonic()
+        r.last_outage = now - r.unreachable_since
+        r.total_outage += r.last_outage
+        r.unreachable_since, r.recovered_at, r.cause = None, now, ""
+        if self.on_reachability is not None:
+            self.on_reachability(True, r)
+
+    def _unreached(self, cause: str) -> None:
+        """A whole pass failed: start (or extend) the outage."""
+        r = self.reachability
+        now = time.monotonic()
+        r.cause, r.last_failure_at = cause, now
+        self.stats.retry_passes += 1
+        if r.unreachable_since is not None:
+            return
+        r.unreachable_since = now
+        r.outages += 1
+        if self.on_reachability is not None:
+            self.on_reachability(False, r)
+
+    def _may_retry(self, window: float | None) -> float:
+        """Seconds the current outage may still last before calls give up (inf: no bound)."""
+        if window is None:
+            return float("inf")
+        return window - self.reachability.outage_age(time.monotonic())
+
     async def _post_once(
         self, endpoint: str, path: str, body: JsonDict, headers: dict[str, str]
     ) -> JsonDict:
         timeout = aiohttp.ClientTimeout(total=self.timeout)
+        self.stats.requests += 1
+        self.stats.by_path[path] += 1
         try:
             async with self._http().post(
                 endpoint + path, json=body, headers=headers, timeout=timeout
@@ -304,13 +385,16 @@ class EtcdClient:
         self._token = None  # expired or issued by another member: authenticate again, once
         return await self._post_once(endpoint, path, body, await self._headers(endpoint))
 
-    async def call(self, path: str, body: JsonDict) -> JsonDict:
+    async def call(self, path: str, body: JsonDict, *,
+                   retry_window: float | Literal["default"] | None = "default") -> JsonDict:
         """POST ``body`` to ``path`` on the first endpoint that answers; the raw JSON reply.
+        ``retry_window`` overrides the client's for this call.
 
         A mutation that timed out on one member may have been applied before the next member
         is asked; callers guard mutations with txn comparisons.
         """
-        deadline, delay = time.monotonic() + self.retry_window, 0.05
+        window = self.retry_window if retry_window == "default" else retry_window
+        delay = 0.05
         while True:
             failures: list[str] = []
             for endpoint in self._rotation():
@@ -318,14 +402,18 @@ class EtcdClient:
                     data = await self._post_authenticated(endpoint, path, body)
                 except _EndpointDown as exc:
                     logger.debug("etcd %s%s failed: %s", endpoint, path, exc)
+                    self.stats.failed_attempts += 1
                     failures.append(f"{endpoint}: {exc}")
                     self._avoid(endpoint)
                     continue
                 self._prefer(endpoint)
+                self._reached()
                 return data
-            remaining = deadline - time.monotonic()
+            self._unreached("; ".join(failures))
+            remaining = self._may_retry(window)
             if remaining <= 0:
-                waited = f" for {self.retry_window:g}s" if self.retry_window else ""
+                age = self.reachability.outage_age(time.monotonic())
+                waited = f" for {age:.1f}s" if window else ""
                 raise EtcdUnavailable(
                     f"no etcd endpoint answered {path}{waited} ({'; '.join(failures)})")
             await anyio.sleep(min(delay, remaining))  # all failed: back off, then a new pass
@@ -336,11 +424,20 @@ class EtcdClient:
         result = await self.range(key)
         return result.kvs[0] if result.kvs else None
 
-    async def range(self, key: str, *, prefix: bool = False) -> RangeResult:
+    async def range(self, key: str, *, prefix: bool = False,
+                    retry_window: float | Literal["default"] | None = "default"
+                    ) -> RangeResult:
         """The key (or every key under the prefix) and the store revision read."""
-        data = await self.call("/v3/kv/range", _key_range(key, prefix))
+        data = await self.call("/v3/kv/range", _key_range(key, prefix), retry_window=retry_window)
         kvs = tuple(KeyValue.from_json(kv) for kv in data.get("kvs", ()))
         return RangeResult(kvs, int(data["header"]["revision"]))
+
+    async def count(self, key: str, *, prefix: bool = False) -> int:
+        """How many keys (under the prefix) exist, without reading them."""
+        body = _key_range(key, prefix)
+        body["count_only"] = True
+        data = await self.call("/v3/kv/range", body)
+        return int(data.get("count", 0))
 
     async def put(self, key: str, value: str | bytes, *, lease: int = 0) -> int:
         """Store the key; the new revision."""
@@ -359,15 +456,19 @@ class EtcdClient:
         """Apply ``success`` if every comparison holds, else ``failure``, atomically."""
         body = {"compare": list(compares), "success": list(success), "failure": list(failure)}
         data = await self.call("/v3/kv/txn", body)
+        self.stats.txns += 1
+        if not data.get("succeeded", False):
+            self.stats.txn_conflicts += 1
         return TxnResult(
             succeeded=bool(data.get("succeeded", False)),
             revision=int(data["header"]["revision"]),
             responses=tuple(data.get("responses", ())),
         )
 
-    async def lease_grant(self, ttl: int) -> tuple[int, int]:
+    async def lease_grant(self, ttl: int, *, retry_window: float | Literal["default"] | None
+                          = "default") -> tuple[int, int]:
         """A new lease; ``(lease_id, granted_ttl)`` (etcd may raise a too-small TTL)."""
-        data = await self.call("/v3/lease/grant", {"TTL": str(ttl)})
+        data = await self.call("/v3/lease/grant", {"TTL": str(ttl)}, retry_window=retry_window)
         return int(data["ID"]), int(data["TTL"])
 
     async def lease_keepalive(self, lease_id: int) -> int:
@@ -421,6 +522,8 @@ class Watch:
                 self._disconnect()
                 continue
             if events:
+                self._client.stats.watch_events += len(events)
+                self._client.stats.watch_bytes += sum(len(ev.kv.value) for ev in events)
                 self.next_revision = events[-1].kv.mod_revision + 1
                 return events
 
@@ -431,29 +534,37 @@ class Watch:
             self._buffer = b""
 
     async def _connect_with_retries(self) -> None:
-        delay = 0.05
-        failures: list[str] = []
-        window = max(self._client.retry_window, self._client.timeout)
-        with anyio.move_on_after(window):
-            while True:
-                for endpoint in self._client._rotation():
-                    try:
-                        await self._connect(endpoint)
-                    except _EndpointDown as exc:
-                        failures.append(f"{endpoint}: {exc}")
-                        self._client._avoid(endpoint)
-                        continue
-                    self._client._prefer(endpoint)
-                    return
-                await anyio.sleep(delay)  # every member is down: back off before the next pass
-                delay = min(delay * 2, 1.0)
-        recent = "; ".join(failures[-len(self._client.endpoints):])
-        raise EtcdUnavailable(f"etcd watch could not reconnect for {window:g}s ({recent})")
+        client, delay = self._client, 0.05
+        window = client.retry_window
+        if window is not None:
+            window = max(window, client.timeout)
+        while True:
+            failures: list[str] = []
+            for endpoint in client._rotation():
+                try:
+                    await self._connect(endpoint)
+                except _EndpointDown as exc:
+                    failures.append(f"{endpoint}: {exc}")
+                    client._avoid(endpoint)
+                    continue
+                client._prefer(endpoint)
+                return
+            # A watch that connects proves little (a member without quorum accepts it), so
+            # only failures count towards the outage; the next unary answer ends it.
+            client._unreached("; ".join(failures))
+            remaining = client._may_retry(window)
+            if remaining <= 0:
+                age = client.reachability.outage_age(time.monotonic())
+                raise EtcdUnavailable(f"etcd watch could not reconnect for {age:.1f}s "
+                                      f"({'; '.join(failures)})")
+            await anyio.sleep(min(delay, remaining))  # every member is down: back off
+            delay = min(delay * 2, 1.0)
 
     async def _connect(self, endpoint: str) -> None:
         body = {"create_request": {**self._key_range, "start_revision": str(self.next_revision)}}
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._client.timeout)
         headers = await self._client._headers(endpoint)
+        self._client.stats.watches_opened += 1
         try:
             self._resp = await self._client._http().post(
                 endpoint + "/v3/watch", json=body, headers=headers, timeout=timeout
@@ -517,9 +628,10 @@ class PrefixView:
         self._changed = anyio.Event()
         self._error: EtcdError | None = None
 
-    async def refresh(self) -> None:
+    async def refresh(self, *, retry_window: float | Literal["default"] | None = "default"
+                      ) -> None:
         """Re-read the whole prefix now (after a write, so decisions see its effect)."""
-        result = await self.client.range(self.prefix, prefix=True)
+        result = await self.client.range(self.prefix, prefix=True, retry_window=retry_window)
         if result.revision > self.revision:
             self.kvs = {kv.key: kv for kv in result.kvs}
             self.revision = result.revision
@@ -534,6 +646,19 @@ class PrefixView:
             await self._changed.wait()
         if self._error is not None:
             raise self._error
+
+    async def wait_revision(self, revision: int) -> None:
+        """Wait until the view has applied ``revision`` (a write of ours under the prefix):
+        the watch brings it, so no re-read is needed."""
+        while self.revision < revision and self._error is None:
+            await self._changed.wait()
+        if self._error is not None:
+            raise self._error
+
+    def poke(self) -> None:
+        """Wake every ``wait_changed`` as if the prefix had changed: its owner's own state
+        did (for example its lease was replaced), so waiters should look again."""
+        self._notify()
 
     def _notify(self) -> None:
         self.version += 1
@@ -570,10 +695,13 @@ class PrefixView:
 
 
 @asynccontextmanager
-async def open_prefix_view(client: EtcdClient, prefix: str) -> AsyncIterator[PrefixView]:
-    """Read ``prefix`` and follow it by watch until the block exits."""
+async def open_prefix_view(client: EtcdClient, prefix: str, *,
+                           retry_window: float | Literal["default"] | None = "default"
+                           ) -> AsyncIterator[PrefixView]:
+    """Read ``prefix`` (retrying for ``retry_window``) and follow it by watch until the
+    block exits."""
     view = PrefixView(client, prefix)
-    await view.refresh()
+    await view.refresh(retry_window=retry_window)
     body_error: BaseException | None = None
     async with anyio.create_task_group() as tg:
         tg.start_soon(view._follow)

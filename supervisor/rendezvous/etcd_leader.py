@@ -1,0 +1,97 @@
+"""The etcd rendezvous leader: while this agent holds ``ctl/leader``, it follows every key
+of the job and carries out ``etcd_state.decide`` (close a round, open the next one, close
+the job). Every other agent only follows ``ctl/``; see ``etcd`` for the protocol."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import anyio
+
+from supervisor.rendezvous.etcd_client import EtcdClient, PrefixView, open_prefix_view
+from supervisor.rendezvous.etcd_lease import LeaseKeeper
+from supervisor.rendezvous.etcd_state import (
+    Advance,
+    Close,
+    Keys,
+    Policy,
+    State,
+    Succeed,
+    Txn,
+    Wait,
+    advance_txn,
+    close_job_txn,
+    close_round_txn,
+    decide,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class Leader:
+    """The job-wide decisions of one agent, for as long as its lease holds the leader key."""
+
+    def __init__(self, client: EtcdClient, keys: Keys, policy: Policy, lease: LeaseKeeper,
+                 node_id: str) -> None:
+        self._client = client
+        self._keys = keys
+        self._policy = policy
+        self._lease = lease
+        self._node_id = node_id
+
+    async def lead(self) -> None:
+        """Follow every key of the job and decide; return once the leader key is not
+        this agent's any more."""
+        logger.info("etcd rendezvous: %s leads", self._node_id)
+        min_since: tuple[int, float] | None = None
+        async with open_prefix_view(self._client, self._keys.prefix) as view:
+            while True:
+                seen, state = view.version, State(self._keys, view.kvs)
+                leader = state.leader
+                if leader is None or leader.lease != self._lease.id:
+                    logger.info("etcd rendezvous: %s no longer leads", self._node_id)
+                    return
+                n, now = state.round, time.monotonic()
+                if len(state.nodes(n, "join")) < self._policy.min_nodes:
+                    min_since = None
+                elif min_since is None or min_since[0] != n:
+                    min_since = (n, now)
+                decision = decide(state, self._policy, now,
+                                  min_since=min_since[1] if min_since else None,
+                                  grace_until=self.grace_until())
+                if isinstance(decision, Wait):
+                    with anyio.move_on_after(decision.until - time.monotonic()):
+                        await view.wait_changed(seen)
+                    continue
+                await self._carry_out(view, state, decision)
+
+    def grace_until(self) -> float:
+        """A member key that vanished is not lost until one TTL after etcd came back: a
+        cluster frozen longer than the TTL expires every lease when it wakes, and each
+        agent needs a moment to put its keys back."""
+        r = self._client.reachability
+        if r.unreachable_since is not None:
+            return math.inf
+        return r.recovered_at + self._lease.ttl if r.recovered_at is not None else 0.0
+
+    async def _carry_out(self, view: PrefixView, state: State,
+                         decision: Close | Advance | Succeed) -> None:
+        txn: Txn
+        if isinstance(decision, Succeed):
+            txn = close_job_txn(self._keys, ok=True, reason="job succeeded", node=self._node_id)
+            what = "job closed: every member finished"
+        elif isinstance(decision, Advance):
+            txn = advance_txn(state, decision.reason, self._node_id)
+            what = f"opened round {decision.n + 1}: {decision.reason}"
+        else:
+            txn = close_round_txn(state, decision, view.revision)
+            what = f"round {decision.n} closed with {len(decision.chosen)} node(s)"
+        result = await self._client.txn(*txn)
+        if result.succeeded:
+            logger.info("etcd rendezvous: %s", what)
+            with anyio.move_on_after(self._client.timeout):
+                await view.wait_revision(result.revision)  # so it does not decide twice
+        else:
+            await view.refresh()
