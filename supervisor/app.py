@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
+from supervisor.accounting import GoodputRecorder
 from supervisor.config import ConfigError, Settings
 from supervisor.controller import (
     Attempt,
@@ -188,15 +190,21 @@ async def supervise(
     cookie = uuid.uuid4().hex
     guardian = Guardian(cookie)
     hub = SnapshotHub(_initial_snapshot(settings, run_id))
-    observers: list[Observer] = [_StopNotice(reporter)]
+    goodput = GoodputRecorder(
+        events, progress, started=time.monotonic(), bound=settings.progress_timeout
+    )
+    # a rank's first output line is progress when it posts no deadlines (ProgressTable)
+    output.on_first_line = lambda local_rank: progress.touch_output(local_rank, time.monotonic())
+    observers: list[Observer] = [_StopNotice(reporter), goodput]
     controller = Controller(
         settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
         output=output, environ=worker_base_env(environ, settings.local_world_size, cookie),
         timer_file=str(timer_file) if timer_file else None, guardian=guardian,
         exempt_pids=[guardian.pid], sweep_adopted=not embedded, command=command, cpus=cpus,
         progress=progress, observers=observers,
-        stop_guard=lambda: extending_timeout(notifier),
+        stop_guard=lambda: extending_timeout(notifier), goodput=goodput,
     )
+    goodput.republish = lambda: hub.publish(controller.snapshot())
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
                 local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
     logger.info("run %s: logs under %s", run_id, log_root / run_id)
@@ -211,6 +219,7 @@ async def supervise(
             await tg.start(output.run)
             await tg.start(rendezvous.run)
             await tg.start(lag.run)
+            await tg.start(goodput.run)
             watchdog = None
             if timer_file is not None:
                 watchdog = await start_watchdog(tg, settings, controller, timer_file, send)
@@ -295,6 +304,8 @@ async def serve_when_launched(
 
     metrics = Metrics(started=controller.started)
     controller.attach_late(metrics)
+    if controller.goodput is not None:
+        controller.goodput.attach_metrics(metrics)
     if watchdog is not None:
         watchdog.metrics = metrics
     serve = functools.partial(serve_health, sock=sock)
@@ -443,12 +454,10 @@ def _log_root(settings: Settings) -> Path:
 
 
 def _initial_snapshot(settings: Settings, run_id: str) -> Snapshot:
-    import time
-
     return Snapshot(
         run_id=run_id, phase=sm.Phase.RENDEZVOUS.value, attempt=0, restart_count=0,
         max_restarts=settings.max_restarts, restarts_left=settings.max_restarts, world_size=0,
         local_world_size=settings.local_world_size, role=settings.role,
         published_at=time.monotonic(), started_at_wall=time.time(),
-        progress_timeout=settings.progress_timeout,
+        progress_timeout=settings.progress_timeout, ready_when=settings.ready_when,
     )

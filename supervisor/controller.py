@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import msgspec
@@ -52,6 +52,9 @@ from supervisor.workers.spawn import (
 )
 from supervisor.workers.standby import Standby, discard_all, spawn_standby
 from supervisor.workers.stop import stop_group
+
+if TYPE_CHECKING:
+    from supervisor.accounting import GoodputRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -152,6 +155,7 @@ class Controller:
         cpus: CpusFor | None = None,
         progress: ProgressTable | None = None,
         stop_guard: StopGuard | None = None,
+        goodput: GoodputRecorder | None = None,
     ) -> None:
         self.settings = settings
         self.rendezvous = rendezvous
@@ -170,6 +174,7 @@ class Controller:
         self.cpus = cpus or (lambda local_rank: None)
         self.progress = progress or ProgressTable()
         self.stop_guard = stop_guard
+        self.goodput = goodput  # also one of the observers; read for snapshots, summary
         self.started = time.monotonic()
         # transitions so far, for an observer that attaches late (the metrics, created
         # after the first launch so their imports do not delay it); None once replayed
@@ -638,6 +643,8 @@ class Controller:
 
     def _summarise(self) -> None:
         s = self.state
+        if self.goodput is not None:
+            logger.info("%s", self.goodput.summary_line())
         if s.phase is sm.Phase.SUCCEEDED:
             logger.info("job succeeded after %d restart(s)", s.restart_count)
             return
@@ -711,6 +718,8 @@ class Controller:
             progress_timeout=self.settings.progress_timeout,
             status_line=self.status_line(),
             exit_code=s.exit_code,
+            goodput=self.goodput.ledger() if self.goodput is not None else None,
+            ready_when=self.settings.ready_when,
         )
 
     def status_line(self) -> str:

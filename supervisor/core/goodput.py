@@ -321,10 +321,11 @@ class Accountant:
         pending = self._awaited - self._first.keys()
         if pending and not force and now < self._launched_at + self.bound:
             return []
-        if pending and not force:  # the bound passed: they have no signal, as far as we know
-            for rank in pending:
-                if self._signals.get(rank) != SIGNAL_YES:
-                    self._signals[rank] = SIGNAL_NONE
+        # silent past the bound: known to progress elsewhen, so missing; or no signal at all
+        missing = frozenset(r for r in pending if self._signals.get(r) == SIGNAL_YES)
+        if not force:
+            for rank in pending - missing:
+                self._signals[rank] = SIGNAL_NONE
         seen = [self._first[r] for r in self._awaited if r in self._first]
         resumed = max(max(seen, default=self._launched_at), self._since)
         self._waiting = False
@@ -333,7 +334,7 @@ class Accountant:
             self._sums[Kind.STARTUP] += resumed - self._since
         elif self._kind is Kind.LOST and self._open is not None:
             self._add_lost(resumed)
-            closed.append(self._close_record(resumed, Outcome.RECOVERED, resumed, pending))
+            closed.append(self._close_record(resumed, Outcome.RECOVERED, resumed, missing))
         self._kind, self._cause, self._since = Kind.PRODUCTIVE, None, resumed
         return closed
 
