@@ -145,17 +145,61 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
         )
     if doc.get("exit_code") is not None:
         lines.append(f"exit code   {doc['exit_code']}")
+    lines.extend(_readiness_lines(doc.get("readiness")))
+    lines.extend(_goodput_lines(doc.get("goodput")))
     return lines
+
+
+def _readiness_lines(readiness: object) -> list[str]:
+    if not isinstance(readiness, dict):
+        return []
+    waiting = readiness.get("awaiting_progress") or []
+    text = f"ready when  {readiness.get('ready_when')}"
+    if waiting:
+        text += ", waiting for progress from local rank(s) " + ", ".join(map(str, waiting))
+    return [text]
+
+
+def _goodput_lines(goodput: object) -> list[str]:
+    """Totals, a table of time lost by cause, and the last failure's phases."""
+    if not isinstance(goodput, dict):
+        return []
+    ratio = goodput.get("ratio")
+    lines = [
+        f"goodput     {'-' if not isinstance(ratio, int | float) else f'{100 * ratio:.1f}%'}"
+        f" productive of {_duration(goodput.get('wall'))} wall: start-up "
+        f"{_duration(goodput.get('startup'))}, productive {_duration(goodput.get('productive'))}"
+        f", lost {_duration(goodput.get('lost'))}, idle {_duration(goodput.get('idle'))}; "
+        f"{goodput.get('failures')} failure(s), {goodput.get('restarts')} restart(s)",
+    ]
+    by_cause = goodput.get("lost_by_cause")
+    lost = {k: v for k, v in by_cause.items() if v} if isinstance(by_cause, dict) else {}
+    if lost:
+        rows = [("CAUSE", "LOST"), *((k, _duration(v)) for k, v in sorted(lost.items()))]
+        lines.append("")
+        lines.extend(_table(rows))
+    last = goodput.get("last_recovery")
+    if isinstance(last, dict):
+        phases = last.get("phases") if isinstance(last.get("phases"), dict) else {}
+        steps = ", ".join(f"{k} {_duration(phases.get(k))}"
+                          for k in ("detect", "stop", "relaunch", "resume"))
+        lines.append(f"last loss   failure {last.get('number')} ({last.get('cause')}, attempt "
+                     f"{last.get('attempt')}): {last.get('outcome')}, lost "
+                     f"{_duration(last.get('lost'))} ({steps})")
+    return lines
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
 
 
 _COLUMNS = ("LOCAL", "RANK", "PID", "STATE", "EXIT", "PROGRESS")
 
 
 def _worker_table(workers: Sequence[dict[str, Any]]) -> list[str]:
-    rows = [_COLUMNS, *(_worker_row(w) for w in workers)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in rows]
+    return _table([_COLUMNS, *(_worker_row(w) for w in workers)])
 
 
 def _worker_row(w: dict[str, Any]) -> tuple[str, ...]:
