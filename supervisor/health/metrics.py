@@ -134,6 +134,11 @@ class Metrics:
             self.recovery_seconds.labels(cause)
             self.unrecovered.labels(cause)
         self.ready = self._gauge("ready", "1 while /readyz would answer 200, else 0.")
+        self.live = self._gauge("live", "1 while /healthz would answer 200, else 0.")
+        self.max_restarts = self._gauge("max_restarts", "The failure restart budget.")
+        self.progress_timeout = self._gauge(
+            "progress_timeout_seconds", "Silence after which a rank's progress is stale."
+        )
         self.awaiting_progress = self._gauge(
             "awaiting_progress_ranks", "Local ranks readiness still waits to see progress from."
         )
@@ -237,12 +242,19 @@ class Metrics:
         *,
         shown: Collection[int],
         expected: Collection[int],
+        max_loop_lag: float = health.DEFAULT_MAX_LOOP_LAG,
     ) -> None:
-        """Set the readiness gauges as ``/readyz`` would judge now (scrape time)."""
+        """Set the readiness gauges as ``/readyz`` and ``/healthz`` would judge now."""
         verdict = health.ready_and_live(
-            snapshot, progress, now_mono, loop_lag, shown=shown, expected=expected
+            snapshot, progress, now_mono, loop_lag, shown=shown, expected=expected,
+            max_loop_lag=max_loop_lag,
         )
         self.ready.set(1 if verdict.ok else 0)
+        alive = health.liveness(snapshot, progress, now_mono, loop_lag,
+                                max_loop_lag=max_loop_lag)
+        self.live.set(1 if alive.ok else 0)
+        self.max_restarts.set(snapshot.max_restarts)
+        self.progress_timeout.set(snapshot.progress_timeout)
         self.awaiting_progress.set(
             len(health.awaited_ranks(snapshot, shown, expected, now_mono))
         )

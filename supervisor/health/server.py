@@ -125,7 +125,7 @@ class HealthApp:
         self._metrics.observe(snapshot, progress, now, lag)
         self._metrics.observe_readiness(
             snapshot, progress, now, lag, shown=self._progress.shown(),
-            expected=self._progress.expected,
+            expected=self._progress.expected, max_loop_lag=self._max_loop_lag,
         )
         return web.Response(
             body=self._metrics.render(),
