@@ -180,7 +180,8 @@ def _goodput_lines(goodput: object) -> list[str]:
         lines.extend(_table(rows))
     last = goodput.get("last_recovery")
     if isinstance(last, dict):
-        phases = last.get("phases") if isinstance(last.get("phases"), dict) else {}
+        given = last.get("phases")
+        phases: dict[str, Any] = given if isinstance(given, dict) else {}
         steps = ", ".join(f"{k} {_duration(phases.get(k))}"
                           for k in ("detect", "stop", "relaunch", "resume"))
         lines.append(f"last loss   failure {last.get('number')} ({last.get('cause')}, attempt "
