@@ -112,3 +112,41 @@ async def test_ranks_without_progress_signal_are_recorded_as_such(tmp_path: Path
     assert rec["phases"]["resume"] == 0.0
     assert rec["no_signal"] == [0] and rec["missing"] == []
     assert rec["recovered"] is True
+
+
+PRINTER = """
+import json, os, sys, time
+rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+time.sleep(0.8)  # start-up, silent
+t = time.time()
+os.write(1, f"step 0 rank {rank}\\n".encode())  # first output line: progress (no deadlines)
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"rank": rank, "attempt": attempt, "event": "line", "t": t}) + "\\n")
+if rank == 1 and attempt == 0:
+    time.sleep(0.3)
+    with open(sys.argv[1], "a") as f:
+        f.write(json.dumps({"rank": rank, "attempt": attempt, "event": "exit",
+                            "t": time.time()}) + "\\n")
+    os._exit(3)
+time.sleep(1.5)
+"""
+
+
+async def test_first_output_line_is_progress_for_ranks_without_deadlines(tmp_path: Path) -> None:
+    script = tmp_path / "printer.py"
+    script.write_text(PRINTER)
+    events = tmp_path / "events.jsonl"
+    wlog = tmp_path / "workers.jsonl"
+    args = ["--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
+            "--tee", "1", "--event-log", str(events), "--log-dir", str(tmp_path / "logs"),
+            str(script), str(wlog)]
+    async with supervisor(args) as sup:
+        assert await sup.wait(timeout=60) == 0, sup.err.text()
+    rec = recovered(read_jsonl(events))
+    log = read_jsonl(wlog)
+    (crash,) = [w["t"] for w in log if w["event"] == "exit"]
+    resumed = max(w["t"] for w in log if w["event"] == "line" and w["attempt"] == 1)
+    errors = {"failed": rec["failed_at"] - crash, "resumed": rec["resumed_at"] - resumed}
+    print("accounting error (s):", errors)
+    assert all(0 <= e < TOLERANCE for e in errors.values()), errors
+    assert rec["awaited"] == [0, 1] and rec["phases"]["resume"] >= 0.8
