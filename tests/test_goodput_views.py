@@ -14,7 +14,7 @@ import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.core import health
-from supervisor.core.goodput import CAUSES, Accountant, Ledger
+from supervisor.core.goodput import CAUSES, Accountant, Ledger, totals
 from supervisor.core.snapshot import ProgressTable, Snapshot, WorkerView
 from supervisor.health.metrics import Metrics
 from supervisor.health.server import serve_health
@@ -149,3 +149,27 @@ async def test_metrics_have_every_cause_at_zero_and_the_readiness_gauge() -> Non
     assert ("elastic_supervisor_productive_seconds_total", ()) in samples
     assert samples[("elastic_supervisor_ready", ())] == 1.0
     assert samples[("elastic_supervisor_awaiting_progress_ranks", ())] == 0.0
+
+
+def test_goodput_counters_never_go_down_when_a_hang_is_accounted_after_the_fact() -> None:
+    metrics = Metrics()
+    acc = Accountant(0.0, 60.0)
+    acc.launched(1, (0,), 1.0)
+    acc.progress(1, 0, 2.0)
+
+    def productive(now: float) -> float:
+        metrics.goodput.observe(acc.ledger(), now)
+        families = text_string_to_metric_families(metrics.render().decode())
+        (value,) = [s.value for f in families for s in f.samples
+                    if s.name == "elastic_supervisor_productive_seconds_total"]
+        return value
+
+    assert productive(10.0) == 8.0
+    acc.failed("hang", 10.0, local_rank=0, last_progress=7.0)  # lost since 7.0, not 10.0
+    assert totals(acc.ledger(), 10.0).productive == 5.0  # the truth, in /status
+    assert productive(10.0) == 8.0  # the counter stays, and catches up later
+    acc.stopped(10.5)
+    acc.launched(2, (0,), 11.0)
+    acc.progress(2, 0, 12.0)
+    assert productive(14.0) == 8.0
+    assert productive(16.0) == 9.0

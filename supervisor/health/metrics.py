@@ -73,6 +73,8 @@ class Metrics:
 
     def _make_run_counters(self) -> None:
         self.restarts = self._counter("restarts", "Worker group restarts, by reason.", ("reason",))
+        for reason in (*_FAILURE_KINDS, "membership"):  # at zero: increase() sees the first
+            self.restarts.labels(reason)
         self.failures = self._counter("failures", "Root-cause failures, by kind.", ("kind",))
         for kind in _FAILURE_KINDS:  # every kind at zero: alerts and panels need the series
             self.failures.labels(kind)
@@ -275,11 +277,18 @@ class GoodputCollector(Collector):
 
     Every cause's ``lost_seconds_total`` series exists from the start (at zero), so
     dashboards and alerts see it before the first failure of that cause.
+
+    The accountant may move time between kinds after the fact: a hang is noticed at its
+    deadline, but the time since the rank's last progress was lost, not productive. A
+    counter must never go down (Prometheus would take it for a reset), so each series
+    exports the highest value it ever had: after such a correction it stays flat until
+    the true total catches up. ``/status`` shows the true totals.
     """
 
     def __init__(self) -> None:
         self._ledger: Ledger | None = None
         self._now = 0.0
+        self._high: dict[tuple[str, str], float] = {}
 
     def observe(self, ledger: Ledger | None, now_mono: float) -> None:
         """Remember the ledger to render on the next collection."""
@@ -290,7 +299,16 @@ class GoodputCollector(Collector):
         return iter(self._families(None, 0.0))
 
     def collect(self) -> Iterator[Metric]:
-        return iter(self._families(self._ledger, self._now))
+        families = self._families(self._ledger, self._now)
+        for family in families:
+            if family.type != "counter":
+                continue
+            for i, sample in enumerate(family.samples):
+                key = (sample.name, ",".join(sample.labels.values()))
+                high = max(self._high.get(key, 0.0), sample.value)
+                self._high[key] = high
+                family.samples[i] = sample._replace(value=high)
+        return iter(families)
 
     @staticmethod
     def _families(ledger: Ledger | None, now: float) -> list[Metric]:

@@ -6,7 +6,8 @@ to ``--log`` as JSON lines ``{"rank", "attempt", "event", "t"}`` with ``t`` take
 before the act (wall clock), so a test can check the supervisor's accounting against
 the workers' own view. ``--fail-rank`` fails after ``--posts`` posts while
 TORCHELASTIC_RESTART_COUNT < ``--fail-attempts``: ``--mode exit`` exits 3, ``--mode hang``
-stops posting (its last deadline, ``--deadline`` s, then expires).
+stops posting (its last deadline, ``--deadline`` s, then expires); a comma-separated list
+(``exit,hang``) gives each failing attempt its own mode.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def main() -> None:
     p.add_argument("--fail-rank", type=int, default=None)
     p.add_argument("--fail-attempts", type=int, default=1)
     p.add_argument("--posts", type=int, default=3)
-    p.add_argument("--mode", choices=("exit", "hang"), default="exit")
+    p.add_argument("--mode", default="exit", help="exit or hang, or a list: exit,hang")
     p.add_argument("--hold", action="store_true", help="after the steps, wait forever")
     args = p.parse_args()
     rank = int(os.environ["RANK"])
@@ -43,13 +44,15 @@ def main() -> None:
 
     client = TimerClient(os.environ["TORCHELASTIC_TIMER_FILE"])
     failing = rank == args.fail_rank and attempt < args.fail_attempts
+    modes = args.mode.split(",")
+    mode = modes[min(attempt, len(modes) - 1)]
     time.sleep(args.startup)
     for step in range(args.steps):
         t = time.time()
         client.acquire("step", t + args.deadline, signal.SIGKILL)
         record("post", t)
         if failing and step + 1 >= args.posts:
-            if args.mode == "exit":
+            if mode == "exit":
                 record("exit", time.time())
                 os._exit(3)
             while True:  # hung: no more posts; the deadline kills us
