@@ -221,6 +221,7 @@ async def supervise(
             await tg.start(lag.run)
             await tg.start(goodput.run)
             watchdog = None
+            health_url: str | None = None
             if timer_file is not None:
                 watchdog = await start_watchdog(tg, settings, controller, timer_file, send)
             if not settings.no_health:
@@ -229,6 +230,9 @@ async def supervise(
                 logger.info("health endpoint on http://%s:%d", settings.health_host, port)
                 events.emit("health_listening", host=settings.health_host, port=port)
                 tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog)
+                health_url = f"http://{advertised_host(settings)}:{port}"
+            if settings.rdzv_backend == "etcd":
+                start_summaries(tg, rendezvous, hub, health_url)
             tg.start_soon(publish_status, hub, reporter)
             code = await controller.run(receive, send)
             reporter.publish(hub.current)
@@ -244,6 +248,24 @@ async def supervise(
         notifier.close()
         runtime.cleanup()
     return code
+
+
+def advertised_host(settings: Settings) -> str:
+    """The host others reach this node's health endpoint at."""
+    if settings.health_host not in ("0.0.0.0", "::", ""):
+        return settings.health_host
+    return settings.local_addr or socket.gethostname()
+
+
+def start_summaries(
+    tg: TaskGroup, rendezvous: Rendezvous, hub: SnapshotHub, health_url: str | None
+) -> None:
+    """Publish this node's status summary in etcd (the job-wide view of ``status``)."""
+    from supervisor.rendezvous.etcd import EtcdRendezvous
+    from supervisor.rendezvous.summary import publish_summaries
+
+    if isinstance(rendezvous, EtcdRendezvous):
+        tg.start_soon(publish_summaries, rendezvous, hub, lambda: health_url)
 
 
 async def _close_rendezvous(rendezvous: Rendezvous, state: sm.State) -> None:

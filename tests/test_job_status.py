@@ -1,0 +1,105 @@
+"""The job-wide view: every supervisor's summary in etcd, shown by ``status --rdzv-endpoint``.
+
+Three real supervisors on one real etcd (``--nnodes 2:2``): two form the job, the third
+waits to join; then a worker of one node fails and that node sits in its restart
+backoff. ``elastic-supervisor status --rdzv-endpoint E --rdzv-id JOB`` must show all three
+with their states from etcd alone (no node's HTTP port is reached).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from supervisor.rendezvous.etcd_client import EtcdClient
+from supervisor.rendezvous.summary import STATUS_ROOT, read_summaries
+from tests.conftest import REPO
+from tests.test_multinode import cluster, factory, server  # noqa: F401  -- fixtures
+
+pytestmark = pytest.mark.etcd
+
+
+async def status_command(*args: str) -> tuple[int, str, str]:
+    done = await anyio.run_process(
+        [sys.executable, "-m", "supervisor", "status", *args], check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    return done.returncode, done.stdout.decode(), done.stderr.decode()
+
+
+async def wait_summaries(client: EtcdClient, run_id: str, check: Any) -> list[dict[str, Any]]:
+    """Read the summaries until ``check(rows)`` holds (each node writes on its changes)."""
+    with anyio.fail_after(30):
+        while True:
+            rows = await read_summaries(client, run_id)
+            if check(rows):
+                return rows
+            await anyio.sleep(0.2)  # etcd has no "wait until this predicate" call
+
+
+def by_state(rows: list[dict[str, Any]]) -> list[str]:
+    return sorted(str(r["state"]) for r in rows)
+
+
+async def test_status_shows_every_node_of_the_job_from_etcd(
+    tmp_path: Path, server: Any  # noqa: F811
+) -> None:
+    flags = ["--max-restarts", "2", "--restart-backoff", "30:30"]
+    worker = ["--hang", "--usr1-exit", "3", "--fail-rank", "0"]
+    async with cluster(tmp_path, server.endpoint, nnodes="2:2", flags=flags,
+                       worker=worker) as job, EtcdClient([server.endpoint]) as client:
+        first = await job.start(2)
+        await job.groups(first, 4)
+        await job.start(1)  # the third node: waits to join the full job
+        rows = await wait_summaries(client, job.run_id, lambda r: len(r) == 3)
+        rows = await wait_summaries(
+            client, job.run_id,
+            lambda r: by_state(r) == ["rendezvous", "running", "running"])
+        # the summaries live beside the rendezvous keys, bound to each node's lease
+        listed = await client.range(STATUS_ROOT + "/", prefix=True)
+        assert all(kv.key.startswith(f"{STATUS_ROOT}/{job.run_id}/") for kv in listed.kvs)
+        assert all(kv.lease != 0 for kv in listed.kvs)
+        code, out, err = await status_command(
+            "--rdzv-endpoint", server.endpoint, "--rdzv-id", job.run_id, "--json")
+        assert code == 0, err
+        shown = json.loads(out)
+        assert by_state(shown) == ["rendezvous", "running", "running"]
+        waiting = next(r for r in shown if r["state"] == "rendezvous")
+        assert waiting["attempt"] == 0 and waiting["health_url"].startswith("http://")
+        assert all(r["goodput_now"] is not None for r in shown)
+
+        # rank 0's worker fails: its node waits out a 30 s backoff, restarts 1 of 2
+        pid = next(int(m.group(1)) for node in first
+                   if (m := re.search(r"^ready 0 (\d+) 0$", node.sup.out.text(), re.M)))
+        os.kill(pid, signal.SIGUSR1)
+        rows = await wait_summaries(client, job.run_id,
+                                    lambda r: any(x["state"] == "backoff" for x in r))
+        code, out, err = await status_command(
+            "--rdzv-endpoint", server.endpoint, "--rdzv-id", job.run_id)
+        print(out)
+        assert code == 0, err
+        table = out.splitlines()
+        assert table[0] == f"job {job.run_id}: 3 node(s)" and len(table) == 5
+        failed = next(r for r in rows if r["state"] == "backoff")
+        assert failed["restarts"] == 1 and "exited with code 3" in failed["last_failure"]
+        line = next(t for t in table if t.startswith(failed["node_id"]))
+        assert " backoff " in line and " 1/2 " in line and "exited with code 3" in line
+        assert len(rows) == 3
+
+
+async def test_status_without_etcd_is_one_clear_line(tmp_path: Path) -> None:
+    code, out, err = await status_command(
+        "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-id", "nope", "--timeout", "1")
+    assert code == 1 and out == ""
+    assert err.startswith("elastic-supervisor status: cannot read the job's status from etcd")
+    assert "Traceback" not in err
+    code, _, err = await status_command("--rdzv-id", "nope")
+    assert code == 2 and "go together" in err
