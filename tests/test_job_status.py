@@ -103,3 +103,26 @@ async def test_status_without_etcd_is_one_clear_line(tmp_path: Path) -> None:
     assert "Traceback" not in err
     code, _, err = await status_command("--rdzv-id", "nope")
     assert code == 2 and "go together" in err
+
+
+async def test_publisher_writes_only_changes_bound_to_the_lease(
+    server: Any  # noqa: F811
+) -> None:
+    from supervisor.rendezvous.summary import SummaryPublisher, summary_prefix
+
+    summary = {"node_id": "n0", "state": "running", "attempt": 1}
+    lease = [0]
+    async with EtcdClient([server.endpoint]) as client:
+        publisher = SummaryPublisher(client, "job", "n0", lambda: lease[0], lambda: summary)
+        assert await publisher.write_if_changed() and publisher.writes == 0  # no lease yet
+        lease[0], _ = await client.lease_grant(5)
+        await publisher.write_if_changed()
+        await publisher.write_if_changed()  # unchanged: no second put
+        assert publisher.writes == 1
+        summary["state"] = "stopping"
+        await publisher.write_if_changed()
+        kv = await client.get(summary_prefix("job") + "n0")
+        assert kv is not None and kv.version == 2 and kv.lease == lease[0]
+        assert json.loads(kv.value)["state"] == "stopping"
+        await client.lease_revoke(lease[0])  # the node is gone: so is its summary
+        assert await read_summaries(client, "job") == []
