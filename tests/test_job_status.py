@@ -126,3 +126,29 @@ async def test_publisher_writes_only_changes_bound_to_the_lease(
         assert json.loads(kv.value)["state"] == "stopping"
         await client.lease_revoke(lease[0])  # the node is gone: so is its summary
         assert await read_summaries(client, "job") == []
+
+
+async def test_status_reads_a_tls_etcd_with_the_options_of_run(
+    tmp_path: Path, factory: Any  # noqa: F811
+) -> None:
+    from supervisor.rendezvous.etcd_client import TlsFiles
+    from supervisor.rendezvous.summary import summary_prefix
+    from tests.etcd_server import make_tls_material
+
+    tls = make_tls_material(tmp_path / "tls")
+    member = factory.single(tls=tls)
+    files = TlsFiles(cacert=str(tls.ca), cert=str(tls.client_cert), key=str(tls.client_key))
+    async with EtcdClient([member.endpoint], tls=files) as client:
+        row = {"node_id": "n0", "node_rank": 0, "host": "h", "state": "running",
+               "attempt": 1, "restarts": 0, "max_restarts": 3, "health_url": None,
+               "last_failure": None, "goodput": None}
+        await client.put(summary_prefix("tlsjob") + "n0", json.dumps(row))
+    conf = f"cacert={tls.ca},cert={tls.client_cert},key={tls.client_key}"
+    endpoint = member.endpoint.removeprefix("https://")
+    code, out, err = await status_command(
+        "--rdzv-endpoint", endpoint, "--rdzv-id", "tlsjob", "--rdzv-conf", conf)
+    assert code == 0, err
+    assert "job tlsjob: 1 node(s)" in out and " running " in out
+    code, _, err = await status_command("--rdzv-endpoint", endpoint, "--rdzv-id", "tlsjob",
+                                        "--timeout", "2")  # no client certificate
+    assert code == 1 and "Traceback" not in err
