@@ -152,3 +152,29 @@ async def test_status_reads_a_tls_etcd_with_the_options_of_run(
     code, _, err = await status_command("--rdzv-endpoint", endpoint, "--rdzv-id", "tlsjob",
                                         "--timeout", "2")  # no client certificate
     assert code == 1 and "Traceback" not in err
+
+
+async def test_node_loss_is_accounted_as_node_lost_and_its_summary_vanishes(
+    tmp_path: Path, server: Any  # noqa: F811
+) -> None:
+    from tests.test_multinode import LOCAL, TTL, node_with_group_rank
+
+    async with cluster(tmp_path, server.endpoint, nnodes="1:2",
+                       flags=["--progress-timeout", "1"]) as job, \
+            EtcdClient([server.endpoint]) as client:
+        nodes = await job.start(2)
+        groups = await job.groups(nodes, 2 * LOCAL)
+        victim = node_with_group_rank(nodes, groups, 1)
+        (survivor,) = [n for n in nodes if n is not victim]
+        await wait_summaries(client, job.run_id, lambda r: len(r) == 2)
+        victim.sup.signal(signal.SIGKILL)
+        await job.groups([survivor], LOCAL, timeout=TTL + 10)
+        with anyio.fail_after(TTL + 10):  # settled once the 1 s bound passed
+            while not survivor.events("recovered"):
+                await anyio.sleep(0.1)  # the event log is a file: no change notification
+        (rec,) = survivor.events("recovered")
+        assert rec["cause"] == "node_lost" and rec["recovered"] is True
+        assert "local_rank" not in rec and rec["failed_attempt"] == 1  # None: not logged
+        assert rec["no_signal"] == [0, 1]  # the fake workers post no progress at all
+        rows = await wait_summaries(client, job.run_id, lambda r: len(r) == 1)
+        assert rows[0]["state"] == "running" and rows[0]["attempt"] == 2
