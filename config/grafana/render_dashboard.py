@@ -2,7 +2,8 @@
 
 There is no Grafana package here, so the picture in docs/deploy.md is made by running
 every query of ``elastic-supervisor.json`` against a Prometheus that scraped a live
-supervisor (``query_range``), and plotting each panel's series in the dashboard's grid.
+supervisor (``query_range``), and plotting each panel's series in the dashboard's grid
+(matplotlib: ``pip install -e '.[plots]'``).
 
     python config/grafana/render_dashboard.py --prometheus http://127.0.0.1:9090 \
         --minutes 2 --out docs/dashboard.png
