@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 MAX_KEPT = 10_000  # closed records kept for metrics that attach late (~100 bytes each)
+MAX_MESSAGE = 500  # characters of a failure's description kept in its record
 
 
 class RecoveryMetrics(Protocol):
@@ -124,10 +125,10 @@ class GoodputRecorder:
                 last = self.progress.last_progress(root.local_rank)
             return acc.failed(
                 _cause(root), root.at, local_rank=root.local_rank, last_progress=last,
-                message=root.describe(),
+                message=root.describe()[:MAX_MESSAGE],
             )
         reason = event.reason if isinstance(event, sm.MembershipChanged) else ""
-        return acc.failed(cause_of_membership(reason), now, message=reason)
+        return acc.failed(cause_of_membership(reason), now, message=reason[:MAX_MESSAGE])
 
     # ------------------------------------------------------------------ outputs
     def _report(self, closed: list[Recovery]) -> None:
