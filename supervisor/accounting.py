@@ -35,7 +35,7 @@ from supervisor.events import EventLog
 logger = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
-MAX_KEPT = 10_000  # closed records kept for metrics that attach late (~100 bytes each)
+MAX_KEPT = 1000  # records closed before the metrics attach (the first ~0.5 s), kept for them
 MAX_MESSAGE = 500  # characters of a failure's description kept in its record
 
 
@@ -77,6 +77,7 @@ class GoodputRecorder:
         """Count every record closed so far, then each one as it closes."""
         for record in self.closed:
             _observe(metrics, record)
+        self.closed = []
         self.metrics = metrics
 
     # ------------------------------------------------------------------ inputs
@@ -143,10 +144,10 @@ class GoodputRecorder:
             logger.log(level, "failure %d (%s, attempt %d): %s after %.3f s lost",
                        record.number, record.cause, record.attempt, record.outcome.value,
                        record.lost or 0.0)
-            if len(self.closed) < MAX_KEPT:
-                self.closed.append(record)
             if self.metrics is not None:
                 _observe(self.metrics, record)
+            elif len(self.closed) < MAX_KEPT:  # kept only until the metrics exist
+                self.closed.append(record)
         self._changed.set()
         self._changed = anyio.Event()
 
