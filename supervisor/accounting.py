@@ -175,9 +175,15 @@ class GoodputRecorder:
                 continue
             with anyio.move_on_after(max(0.0, deadline - self._clock())):
                 await changed.wait()
-            if self.accountant.deadline() == deadline and self._clock() >= deadline:
-                self._report(self.accountant.poll(self._clock()))
-                self.republish()
+            if self.accountant.deadline() == deadline:
+                self.settle_due()
+
+    def settle_due(self) -> None:
+        """Settle a wait for progress whose bound has passed by now (``run`` calls it)."""
+        deadline = self.accountant.deadline()
+        if deadline is not None and self._clock() >= deadline:
+            self._report(self.accountant.poll(self._clock()))
+            self.republish()
 
 
 def _cause(failure: sm.Failure) -> str:
