@@ -7,8 +7,11 @@ recorder hears the step exactly as the controller reports it to its observers.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from supervisor.accounting import GoodputRecorder
 from supervisor.core import state as sm
@@ -61,8 +64,14 @@ class Run:
         return [e for e in map(json.loads, lines) if e["event"] == "recovered"]
 
 
-def test_hang_is_lost_from_the_ranks_last_post(tmp_path: Path) -> None:
-    run = Run(tmp_path)
+@pytest.fixture
+def run(tmp_path: Path) -> Iterator[Run]:
+    made = Run(tmp_path)
+    yield made
+    made.events.close()
+
+
+def test_hang_is_lost_from_the_ranks_last_post(run: Run) -> None:
     run.launch(1, 101.0)
     run.progress.touch(0, 102.0)
     run.progress.touch(1, 102.5)
@@ -77,8 +86,7 @@ def test_hang_is_lost_from_the_ranks_last_post(tmp_path: Path) -> None:
     assert rec["lost"] == 34.0 and rec["phases"]["detect"] == 30.0
 
 
-def test_crash_counts_from_the_exit_and_shutdown_pauses(tmp_path: Path) -> None:
-    run = Run(tmp_path)
+def test_crash_counts_from_the_exit_and_shutdown_pauses(run: Run) -> None:
     run.launch(1, 101.0)
     run.progress.touch(0, 102.0)
     run.progress.touch(1, 103.0)
@@ -97,14 +105,13 @@ def test_crash_counts_from_the_exit_and_shutdown_pauses(tmp_path: Path) -> None:
                            "(signal 4.0s), idle 1.0s, 1 failure(s), 1 restart(s)")
 
 
-def test_records_closed_before_the_metrics_attach_are_counted_once(tmp_path: Path) -> None:
+def test_records_closed_before_the_metrics_attach_are_counted_once(run: Run) -> None:
     seen: list[tuple[str, float, bool]] = []
 
     class Metrics:
         def record_recovery(self, cause: str, seconds: float, recovered: bool) -> None:
             seen.append((cause, seconds, recovered))
 
-    run = Run(tmp_path)
     run.launch(1, 101.0)
     run.step(sm.MembershipChanged("node(s) lost: b"), 105.0)
     run.step(sm.GroupStopped(106.0), 106.0)  # a membership change: straight to rendezvous
