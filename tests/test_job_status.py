@@ -1,9 +1,9 @@
 """The job-wide view: every supervisor's summary in etcd, shown by ``status --rdzv-endpoint``.
 
 Three real supervisors on one real etcd (``--nnodes 2:2``): two form the job, the third
-waits to join; then a worker of one node fails and that node sits in its restart
-backoff. ``elastic-supervisor status --rdzv-endpoint E --rdzv-id JOB`` must show all three
-with their states from etcd alone (no node's HTTP port is reached).
+waits to join; then a worker of one node fails and that node restarts.
+``elastic-supervisor status --rdzv-endpoint E --rdzv-id JOB`` must show all three with
+their states from etcd alone (no node's HTTP port is reached).
 """
 
 from __future__ import annotations
@@ -76,23 +76,23 @@ async def test_status_shows_every_node_of_the_job_from_etcd(
         assert waiting["attempt"] == 0 and waiting["health_url"].startswith("http://")
         assert all(r["goodput_now"] is not None for r in shown)
 
-        # rank 0's worker fails: its node waits out a 30 s backoff, restarts 1 of 2
+        # rank 0's worker fails: its node restarts (1 of 2; a jittered backoff first)
         pid = next(int(m.group(1)) for node in first
                    if (m := re.search(r"^ready 0 (\d+) 0$", node.sup.out.text(), re.M)))
         os.kill(pid, signal.SIGUSR1)
         rows = await wait_summaries(client, job.run_id,
-                                    lambda r: any(x["state"] == "backoff" for x in r))
+                                    lambda r: any(x["restarts"] == 1 for x in r))
         code, out, err = await status_command(
             "--rdzv-endpoint", server.endpoint, "--rdzv-id", job.run_id)
         print(out)
         assert code == 0, err
         table = out.splitlines()
         assert table[0] == f"job {job.run_id}: 3 node(s)" and len(table) == 5
-        failed = next(r for r in rows if r["state"] == "backoff")
-        assert failed["restarts"] == 1 and "exited with code 3" in failed["last_failure"]
+        failed = next(r for r in rows if r["restarts"] == 1)
+        assert "exited with code 3" in failed["last_failure"]
+        assert failed["state"] in ("stopping", "backoff", "rendezvous", "starting", "running")
         line = next(t for t in table if t.startswith(failed["node_id"]))
-        assert " backoff " in line and " 1/2 " in line and "exited with code 3" in line
-        assert len(rows) == 3
+        assert " 1/2 " in line and "exited with code 3" in line
 
 
 async def test_status_without_etcd_is_one_clear_line(tmp_path: Path) -> None:
@@ -166,7 +166,9 @@ async def test_node_loss_is_accounted_as_node_lost_and_its_summary_vanishes(
         groups = await job.groups(nodes, 2 * LOCAL)
         victim = node_with_group_rank(nodes, groups, 1)
         (survivor,) = [n for n in nodes if n is not victim]
-        await wait_summaries(client, job.run_id, lambda r: len(r) == 2)
+        rows = await wait_summaries(client, job.run_id, lambda r: len(r) == 2 and all(
+            x["state"] == "running" and x["node_rank"] is not None for x in r))
+        victim_id = next(r["node_id"] for r in rows if r["node_rank"] == 1)
         victim.sup.signal(signal.SIGKILL)
         await job.groups([survivor], LOCAL, timeout=TTL + 10)
         with anyio.fail_after(TTL + 10):  # settled once the 1 s bound passed
@@ -176,5 +178,8 @@ async def test_node_loss_is_accounted_as_node_lost_and_its_summary_vanishes(
         assert rec["cause"] == "node_lost" and rec["recovered"] is True
         assert "local_rank" not in rec and rec["failed_attempt"] == 1  # None: not logged
         assert rec["no_signal"] == [0, 1]  # the fake workers post no progress at all
-        rows = await wait_summaries(client, job.run_id, lambda r: len(r) == 1)
-        assert rows[0]["state"] == "running" and rows[0]["attempt"] == 2
+        # the victim's key went with its lease; the survivor's follows its new attempt
+        # (written at most once a second)
+        rows = await wait_summaries(client, job.run_id, lambda r: len(r) == 1
+                                    and r[0]["attempt"] == 2 and r[0]["state"] == "running")
+        assert rows[0]["node_id"] != victim_id
