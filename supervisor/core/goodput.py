@@ -30,7 +30,7 @@ silent ranks as ``missing``.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import msgspec
 
@@ -379,16 +379,6 @@ def cause_of_membership(reason: str) -> str:
     if "another node" in text or "closed" in text:
         return "remote_failure"
     return "other"
-
-
-def lost_seconds(record: Recovery) -> float:
-    """``record.lost`` or 0 for an open record (for sums)."""
-    return record.lost or 0.0
-
-
-def rounded(values: Mapping[str, float | None], digits: int = 6) -> dict[str, float | None]:
-    """A mapping of durations rounded for JSON."""
-    return {k: None if v is None else round(v, digits) for k, v in values.items()}
 
 
 def _minus(a: float | None, b: float | None) -> float | None:
