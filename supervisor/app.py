@@ -19,14 +19,20 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
+if TYPE_CHECKING:
+    from supervisor.rendezvous.etcd import EtcdRendezvous
+
+from supervisor.accounting import GoodputRecorder
 from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, Settings, advisories
 from supervisor.controller import (
     Attempt,
@@ -263,6 +269,9 @@ async def supervise(
         runtime.cleanup()
         raise
     events = EventLog(event_log, run_id)
+    etcd = etcd_rendezvous_of(rendezvous)
+    if etcd is not None:  # outages, their end and replaced leases, in the event log
+        etcd.on_event = events.emit
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
     reporter = StatusReporter(notifier)
     lag = LoopLag()
@@ -275,7 +284,12 @@ async def supervise(
     # the guardian also removes the runtime directory if we die (a SIGKILL skips cleanup)
     guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None)
     hub = SnapshotHub(_initial_snapshot(settings, run_id))
-    observers: list[Observer] = [_StopNotice(reporter)]
+    goodput = GoodputRecorder(
+        events, progress, started=time.monotonic(), bound=settings.progress_timeout
+    )
+    # a rank's first output line is progress when it posts no deadlines (ProgressTable)
+    output.on_first_line = lambda local_rank: progress.touch_output(local_rank, time.monotonic())
+    observers: list[Observer] = [_StopNotice(reporter), goodput]
     controller = Controller(
         settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
         output=output, environ=worker_base_env(environ, settings.local_world_size, cookie),
@@ -283,8 +297,9 @@ async def supervise(
         exempt_pids=[guardian.pid, *rendezvous_children(rendezvous)],
         sweep_adopted=not embedded, command=command, cpus=cpus,
         progress=progress, observers=observers,
-        stop_guard=lambda: extending_timeout(notifier),
+        stop_guard=lambda: extending_timeout(notifier), goodput=goodput,
     )
+    goodput.republish = lambda: hub.publish(controller.snapshot())
     for level, note in advisories(settings):  # after the checks: a failed start is one line
         logger.log(level, "%s", note)
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
@@ -303,7 +318,9 @@ async def supervise(
             await tg.start(lag.run)
             await tg.start(events.retry_pending)
             await tg.start(guardian.run)
+            await tg.start(goodput.run)
             watchdog = None
+            health_url: str | None = None
             if timer_file is not None:
                 watchdog = await start_watchdog(
                     tg, settings, controller, timer_file, send, hang_dump
@@ -314,6 +331,9 @@ async def supervise(
                 logger.info("health endpoint on http://%s:%d", settings.health_host, port)
                 events.emit("health_listening", host=settings.health_host, port=port)
                 tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog)
+                health_url = f"http://{advertised_host(settings)}:{port}"
+            if settings.rdzv_backend == "etcd":
+                start_summaries(tg, rendezvous, hub, health_url)
             tg.start_soon(publish_status, hub, reporter)
             code = await controller.run(receive, send)
             reporter.publish(hub.current)
@@ -376,11 +396,40 @@ async def _cancel_on_stop_signal(
             return
 
 
+def etcd_rendezvous_of(rendezvous: Rendezvous) -> EtcdRendezvous | None:
+    """The etcd rendezvous behind the backend (c10d wraps one), if there is one."""
+    if "supervisor.rendezvous.etcd" not in sys.modules:
+        return None  # the static backend: nothing of etcd was ever imported
+    from supervisor.rendezvous.etcd import EtcdRendezvous
+
+    inner = getattr(rendezvous, "inner", rendezvous)
+    return inner if isinstance(inner, EtcdRendezvous) else None
+
+
 def rendezvous_children(rendezvous: Rendezvous) -> list[int]:
     """Our children that belong to the rendezvous (a c10d host's etcd): never swept as
     strays when a worker group stops."""
     pid = getattr(rendezvous, "server_pid", None)
     return [pid] if isinstance(pid, int) else []
+
+
+def advertised_host(settings: Settings) -> str:
+    """The host others reach this node's health endpoint at."""
+    if settings.health_host not in ("0.0.0.0", "::", ""):
+        return settings.health_host
+    return settings.local_addr or socket.gethostname()
+
+
+def start_summaries(
+    tg: TaskGroup, rendezvous: Rendezvous, hub: SnapshotHub, health_url: str | None
+) -> None:
+    """Publish this node's status summary in etcd (the job-wide view of ``status``);
+    for c10d too, in the etcd its host runs."""
+    etcd = etcd_rendezvous_of(rendezvous)
+    if etcd is not None:
+        from supervisor.rendezvous.summary import publish_summaries
+
+        tg.start_soon(publish_summaries, etcd, hub, lambda: health_url)
 
 
 async def _close_rendezvous(rendezvous: Rendezvous, state: sm.State) -> None:
@@ -479,9 +528,16 @@ async def serve_when_launched(
 
     metrics = Metrics(started=controller.started)
     controller.attach_late(metrics)
+    etcd = etcd_rendezvous_of(controller.rendezvous)
+    if etcd is not None:
+        from supervisor.rendezvous.etcd_metrics import EtcdCollector
+
+        metrics.registry.register(EtcdCollector(etcd))
     metrics.watch_loop(lag)
     metrics.watch_event_log(controller.events)
     metrics.watch_output(controller.output.loss)
+    if controller.goodput is not None:
+        controller.goodput.attach_metrics(metrics)
     if watchdog is not None:
         watchdog.metrics = metrics
     serve = functools.partial(serve_health, sock=sock)
@@ -656,12 +712,10 @@ def _reason(exc: OSError) -> str:
 
 
 def _initial_snapshot(settings: Settings, run_id: str) -> Snapshot:
-    import time
-
     return Snapshot(
         run_id=run_id, phase=sm.Phase.RENDEZVOUS.value, attempt=0, restart_count=0,
         max_restarts=settings.max_restarts, restarts_left=settings.max_restarts, world_size=0,
         local_world_size=settings.local_world_size, role=settings.role,
         published_at=time.monotonic(), started_at_wall=time.time(),
-        progress_timeout=settings.progress_timeout,
+        progress_timeout=settings.progress_timeout, ready_when=settings.ready_when,
     )

@@ -77,6 +77,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     health_port: int | None = None  # None: DEFAULT_HEALTH_PORT, or a free port if it is busy
     no_health: bool = False
     progress_timeout: float = 60.0
+    # /readyz: 200 at launch, or only once every rank expected to progress did (health.py)
+    ready_when: Literal["launched", "progress"] = "progress"
     timer_file: str | None = None
     no_watchdog: bool = False
     hang_dump: str = "none"

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import msgspec
@@ -50,6 +50,9 @@ AUTO_SETTLE = 5.5  # s after a launch: a warm worker has recorded its imports at
 
 __all__ = ["Attempt", "CommandFor", "Controller", "CpusFor", "ForwardSignal", "Observer",
            "ReopenLogs", "SnapshotHub", "settings_command"]
+
+if TYPE_CHECKING:
+    from supervisor.accounting import GoodputRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +132,7 @@ class Controller:
         cpus: CpusFor | None = None,
         progress: ProgressTable | None = None,
         stop_guard: StopGuard | None = None,
+        goodput: GoodputRecorder | None = None,
     ) -> None:
         self.settings = settings
         self.rendezvous = rendezvous
@@ -142,6 +146,7 @@ class Controller:
         self.observers = list(observers)
         self.progress = progress or ProgressTable()
         self.stop_guard = stop_guard
+        self.goodput = goodput  # also one of the observers; read for snapshots, summary
         self.started = time.monotonic()
         # transitions so far, for an observer that attaches late (the metrics, created
         # after the first launch so their imports do not delay it); None once replayed
@@ -497,6 +502,8 @@ class Controller:
     def _summarise(self) -> None:
         self._summarise_losses()
         s = self.state
+        if self.goodput is not None:
+            logger.info("%s", self.goodput.summary_line())
         if s.phase is sm.Phase.SUCCEEDED:
             unchecked = self.rendezvous.backend == "static" and self.settings.max_nodes > 1
             logger.info("job succeeded after %d restart(s)%s", s.restart_count,
@@ -615,6 +622,8 @@ class Controller:
             progress_timeout=self.settings.progress_timeout,
             status_line=self.status_line(),
             exit_code=s.exit_code,
+            goodput=self.goodput.ledger() if self.goodput is not None else None,
+            ready_when=self.settings.ready_when,
         )
 
     def status_line(self) -> str:

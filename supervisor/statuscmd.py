@@ -1,8 +1,15 @@
 """``elastic-supervisor status [--url URL] [--json] [--timeout S]``: show a supervisor's status.
 
 Fetches ``/status`` from a running supervisor's health endpoint and prints it as a short
-readable summary with a table of workers, or as the raw JSON document. Exit codes: 0
-shown, 1 the supervisor could not be reached or answered nonsense, 2 usage error.
+readable summary with a table of workers, or as the raw JSON document.
+
+``elastic-supervisor status --rdzv-endpoint E --rdzv-id JOB [--rdzv-conf ...] [--json]``
+shows the whole job instead: one row per node (waiting to join included), read from the
+summaries every supervisor keeps in etcd (``rendezvous.summary``), without reaching any
+node's HTTP port. ``--rdzv-conf`` takes the TLS and auth keys of ``run``.
+
+Exit codes: 0 shown, 1 the supervisor (or etcd) could not be reached or answered
+nonsense, 2 usage error.
 """
 
 from __future__ import annotations
@@ -10,11 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
+
+if TYPE_CHECKING:
+    from supervisor.rendezvous.etcd import EtcdRendezvousConfig
 
 DEFAULT_URL = "http://127.0.0.1:29480"
 DEFAULT_TIMEOUT = 5.0
@@ -40,6 +51,8 @@ def main_status(argv: list[str]) -> int:
         ns = _build_parser().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed by argparse
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if ns.rdzv_endpoint or ns.rdzv_id:
+        return _job_status(ns)
     try:
         url = status_url(ns.url)
     except ValueError as exc:
@@ -67,6 +80,11 @@ def _build_parser() -> argparse.ArgumentParser:
         help=f"health endpoint base URL or full /status URL (default {DEFAULT_URL})",
     )
     p.add_argument("--json", action="store_true", help="print the raw JSON document")
+    p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
+                   help="etcd endpoint(s): show every node of the job from etcd")
+    p.add_argument("--rdzv-id", "--rdzv_id", default="", help="the job's run id (with etcd)")
+    p.add_argument("--rdzv-conf", "--rdzv_conf", default="",
+                   help="etcd TLS/auth keys as for run (cacert=,cert=,key=,user=,...)")
     p.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT,
         help=f"seconds to wait for an answer (default {DEFAULT_TIMEOUT:g})",
@@ -112,6 +130,81 @@ def _parse(url: str, body: bytes) -> dict[str, Any]:
     return doc
 
 
+# ---------------------------------------------------------------------------- the job
+
+
+def _job_status(ns: argparse.Namespace) -> int:
+    if not (ns.rdzv_endpoint and ns.rdzv_id):
+        sys.stderr.write(f"{PROG}: error: --rdzv-endpoint and --rdzv-id go together\n")
+        return EXIT_USAGE
+    from supervisor.rendezvous.etcd import RendezvousConfigError, make_config
+
+    try:
+        config = make_config(endpoint=ns.rdzv_endpoint, run_id=ns.rdzv_id, nnodes="1",
+                             rdzv_conf=ns.rdzv_conf)
+    except RendezvousConfigError as exc:
+        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        return EXIT_USAGE
+    try:
+        rows = _read_job(config, ns.timeout)
+    except StatusError as exc:
+        sys.stderr.write(f"{PROG}: {exc}\n")
+        return EXIT_UNREACHABLE
+    now = time.time()
+    if ns.json:
+        from supervisor.rendezvous.summary import goodput_now
+
+        for row in rows:
+            row["goodput_now"] = goodput_now(row, now)
+        sys.stdout.write(json.dumps(rows, indent=2, sort_keys=True) + "\n")
+    else:
+        sys.stdout.write(format_job(ns.rdzv_id, rows, now))
+    return EXIT_OK
+
+
+def _read_job(config: EtcdRendezvousConfig, timeout: float) -> list[dict[str, Any]]:
+    import anyio
+
+    from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
+    from supervisor.rendezvous.summary import read_summaries
+
+    async def read() -> list[dict[str, Any]]:
+        async with EtcdClient(config.endpoints, timeout=timeout, tls=config.tls,
+                              user=config.user, password=config.password) as client:
+            return await read_summaries(client, config.run_id)
+
+    try:
+        return anyio.run(read)
+    except EtcdError as exc:
+        raise StatusError(f"cannot read the job's status from etcd: {exc}") from None
+
+
+_JOB_COLUMNS = ("NODE", "RANK", "HOST", "STATE", "ATTEMPT", "RESTARTS", "GOODPUT", "LOST",
+                "LAST FAILURE", "HEALTH")
+
+
+def format_job(run_id: str, rows: Sequence[dict[str, Any]], now_wall: float) -> str:
+    """One row per node of the job, from the summaries in etcd."""
+    from supervisor.rendezvous.summary import goodput_now
+
+    if not rows:
+        return f"job {run_id}: no node has published a status (not running, or not etcd)\n"
+    table: list[tuple[str, ...]] = [_JOB_COLUMNS]
+    for row in rows:
+        g = goodput_now(row, now_wall)
+        ratio = "-" if g is None else f"{100 * g['ratio']:.1f}%"
+        lost = "-" if g is None else _duration(g["lost"])
+        failure = str(row.get("last_failure") or "-")
+        table.append((
+            str(row.get("node_id")), _dash(row.get("node_rank")), str(row.get("host")),
+            str(row.get("state")), _dash(row.get("attempt")),
+            f"{row.get('restarts')}/{row.get('max_restarts')}", ratio, lost,
+            failure if len(failure) <= 60 else failure[:57] + "...",
+            _dash(row.get("health_url")),
+        ))
+    return f"job {run_id}: {len(rows)} node(s)\n" + "\n".join(_table(table)) + "\n"
+
+
 # ---------------------------------------------------------------------------- format
 
 
@@ -148,17 +241,62 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
         )
     if doc.get("exit_code") is not None:
         lines.append(f"exit code   {doc['exit_code']}")
+    lines.extend(_readiness_lines(doc.get("readiness")))
+    lines.extend(_goodput_lines(doc.get("goodput")))
     return lines
+
+
+def _readiness_lines(readiness: object) -> list[str]:
+    if not isinstance(readiness, dict):
+        return []
+    waiting = readiness.get("awaiting_progress") or []
+    text = f"ready when  {readiness.get('ready_when')}"
+    if waiting:
+        text += ", waiting for progress from local rank(s) " + ", ".join(map(str, waiting))
+    return [text]
+
+
+def _goodput_lines(goodput: object) -> list[str]:
+    """Totals, a table of time lost by cause, and the last failure's phases."""
+    if not isinstance(goodput, dict):
+        return []
+    ratio = goodput.get("ratio")
+    lines = [
+        f"goodput     {'-' if not isinstance(ratio, int | float) else f'{100 * ratio:.1f}%'}"
+        f" productive of {_duration(goodput.get('wall'))} wall: start-up "
+        f"{_duration(goodput.get('startup'))}, productive {_duration(goodput.get('productive'))}"
+        f", lost {_duration(goodput.get('lost'))}, idle {_duration(goodput.get('idle'))}; "
+        f"{goodput.get('failures')} failure(s), {goodput.get('restarts')} restart(s)",
+    ]
+    by_cause = goodput.get("lost_by_cause")
+    lost = {k: v for k, v in by_cause.items() if v} if isinstance(by_cause, dict) else {}
+    if lost:
+        rows = [("CAUSE", "LOST"), *((k, _duration(v)) for k, v in sorted(lost.items()))]
+        lines.append("")
+        lines.extend(_table(rows))
+    last = goodput.get("last_recovery")
+    if isinstance(last, dict):
+        given = last.get("phases")
+        phases: dict[str, Any] = given if isinstance(given, dict) else {}
+        steps = ", ".join(f"{k} {_duration(phases.get(k))}"
+                          for k in ("detect", "stop", "relaunch", "resume"))
+        lines.append(f"last loss   failure {last.get('number')} ({last.get('cause')}, attempt "
+                     f"{last.get('attempt')}): {last.get('outcome')}, lost "
+                     f"{_duration(last.get('lost'))} ({steps})")
+    return lines
+
+
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows]
 
 
 _COLUMNS = ("LOCAL", "RANK", "PID", "STATE", "EXIT", "PROGRESS")
 
 
 def _worker_table(workers: Sequence[dict[str, Any]]) -> list[str]:
-    rows = [_COLUMNS, *(_worker_row(w) for w in workers)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-            for row in rows]
+    return _table([_COLUMNS, *(_worker_row(w) for w in workers)])
 
 
 def _worker_row(w: dict[str, Any]) -> tuple[str, ...]:

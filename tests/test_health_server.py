@@ -342,8 +342,8 @@ async def test_unknown_paths_share_one_metrics_label() -> None:
 def test_metrics_registries_are_private() -> None:
     a, b = Metrics(), Metrics()
     a.record_restart("exited")
-    assert b"restarts_total{reason=\"exited\"}" in a.render()
-    assert b"restarts_total{reason=\"exited\"}" not in b.render()
+    assert b"restarts_total{reason=\"exited\"} 1.0" in a.render()
+    assert b"restarts_total{reason=\"exited\"} 0.0" in b.render()  # every reason at zero
 
 
 def counter_value(m: Metrics, name: str, **labels: str) -> float:

@@ -10,17 +10,23 @@ true while the supervisor waits (rendezvous, backoff, stopping, exit barrier), b
 waiting is not being stuck and a restart of the supervisor would only make things worse.
 
 Readiness answers "is the worker group running?": true only in the RUNNING phase with
-no failed worker.
+no failed worker. With ``ready_when = "progress"`` (the default setting) it also waits
+for progress: a rank that showed progress in an earlier attempt of this run is expected
+to show it again in the current one before the node is ready, for at most the progress
+timeout after the launch; a rank never seen progressing (no deadline posts, no output
+through the supervisor, or the first attempt) is ready at launch, as with ``launched``.
+A failure makes the node unready at once: the phase leaves RUNNING when it is noticed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import msgspec
 
 from supervisor import __version__
+from supervisor.core.goodput import Ledger, Recovery, totals
 from supervisor.core.snapshot import FailureView, RendezvousView, Snapshot, WorkerView
 
 DEFAULT_MAX_LOOP_LAG = 5.0
@@ -84,14 +90,48 @@ def stale_ranks(
     return sorted(ages, key=lambda item: -item[1])
 
 
-def readiness(snapshot: Snapshot) -> Verdict:
-    """Whether the worker group is running healthy (and so ready for traffic)."""
+def readiness(
+    snapshot: Snapshot,
+    *,
+    shown: Collection[int] = frozenset(),
+    expected: Collection[int] = frozenset(),
+    now_mono: float | None = None,
+) -> Verdict:
+    """Whether the worker group is running healthy (and so ready for traffic).
+
+    ``shown``: local ranks that showed progress in the current attempt; ``expected``:
+    ranks that showed progress in an earlier attempt (see ``ProgressTable``).
+    """
     if snapshot.phase != _RUNNING:
         return Verdict(False, f"not running: {snapshot.phase}")
     failed = [w.local_rank for w in snapshot.workers if w.state == "failed"]
     if failed:
         return Verdict(False, f"local rank {failed[0]} failed")
+    waiting = awaited_ranks(snapshot, shown, expected, now_mono)
+    if waiting:
+        ranks = ", ".join(str(r) for r in waiting)
+        return Verdict(False, f"waiting for progress from local rank(s) {ranks}")
     return Verdict(True, "running")
+
+
+def awaited_ranks(
+    snapshot: Snapshot,
+    shown: Collection[int],
+    expected: Collection[int],
+    now_mono: float | None,
+) -> list[int]:
+    """Running ranks readiness still waits for (empty unless ``ready_when`` is progress)."""
+    if snapshot.ready_when != "progress" or snapshot.phase != _RUNNING:
+        return []
+    launched = snapshot.goodput.launched_at if snapshot.goodput is not None else None
+    if (
+        launched is not None
+        and now_mono is not None
+        and now_mono - launched >= snapshot.progress_timeout
+    ):
+        return []  # bounded: a rank silent this long is left to liveness
+    running = {w.local_rank for w in snapshot.workers if w.state == _RUNNING}
+    return sorted(r for r in expected if r in running and r not in shown)
 
 
 def ready_and_live(
@@ -101,9 +141,11 @@ def ready_and_live(
     loop_lag: float,
     *,
     max_loop_lag: float = DEFAULT_MAX_LOOP_LAG,
+    shown: Collection[int] = frozenset(),
+    expected: Collection[int] = frozenset(),
 ) -> Verdict:
     """The ``/readyz`` verdict: ready, and not stuck (a stuck group is not ready either)."""
-    ready = readiness(snapshot)
+    ready = readiness(snapshot, shown=shown, expected=expected, now_mono=now_mono)
     if not ready.ok:
         return ready
     return liveness(snapshot, progress, now_mono, loop_lag, max_loop_lag=max_loop_lag)
@@ -118,10 +160,13 @@ def status_document(
     now_mono: float,
     *,
     now_wall: float | None = None,
+    shown: Collection[int] = frozenset(),
+    expected: Collection[int] = frozenset(),
 ) -> dict[str, Any]:
     """The ``/status`` JSON document. Never contains environment, commands or secrets.
 
     ``now_wall`` (epoch seconds) gives the uptime; without it ``uptime`` is ``null``.
+    ``shown`` and ``expected`` are the readiness inputs (see ``readiness``).
     """
     rdzv = snapshot.rendezvous
     uptime = None if now_wall is None else max(0.0, now_wall - snapshot.started_at_wall)
@@ -148,6 +193,11 @@ def status_document(
             "enabled": snapshot.watchdog_enabled,
             "progress_timeout": snapshot.progress_timeout,
         },
+        "readiness": {
+            "ready_when": snapshot.ready_when,
+            "awaiting_progress": awaited_ranks(snapshot, shown, expected, now_mono),
+        },
+        "goodput": goodput_json(snapshot.goodput, now_mono, now_wall),
         "exit_code": snapshot.exit_code,
         "started_at": snapshot.started_at_wall,
         "uptime": _round(uptime),
@@ -198,6 +248,61 @@ def _rendezvous_json(rdzv: RendezvousView) -> dict[str, Any]:
         "group_rank": rdzv.group_rank,
         "group_world_size": rdzv.group_world_size,
         "duration": rdzv.last_duration,
+    }
+
+
+def goodput_json(
+    ledger: Ledger | None, now_mono: float, now_wall: float | None
+) -> dict[str, Any] | None:
+    """The ``goodput`` block: totals so far and the latest failure's record."""
+    if ledger is None:
+        return None
+    t = totals(ledger, now_mono)
+    return {
+        "wall": _round(t.wall),
+        "startup": _round(t.startup),
+        "productive": _round(t.productive),
+        "lost": _round(t.lost),
+        "lost_by_cause": {k: _round(v) for k, v in t.lost_by_cause.items()},
+        "idle": _round(t.idle),
+        "ratio": None if t.ratio is None else round(t.ratio, 4),
+        "failures": t.failures,
+        "restarts": t.restarts,
+        "segment": ledger.kind.value,
+        "progress_signals": {str(rank): signal for rank, signal in ledger.signals},
+        "last_recovery": recovery_json(ledger.last, now_mono, now_wall),
+    }
+
+
+def recovery_json(
+    record: Recovery | None, now_mono: float, now_wall: float | None
+) -> dict[str, Any] | None:
+    """One failure record as JSON: cause, phases, time lost; wall-clock times if known."""
+    if record is None:
+        return None
+    offset = None if now_wall is None else now_wall - now_mono
+
+    def wall(mono: float | None) -> float | None:
+        return None if mono is None or offset is None else round(mono + offset, 6)
+
+    lost = record.lost
+    return {
+        "number": record.number,
+        "cause": record.cause,
+        "attempt": record.attempt,
+        "local_rank": record.local_rank,
+        "outcome": record.outcome.value,
+        "failed_at": wall(record.failed_at),
+        "noticed_at": wall(record.noticed_at),
+        "stopped_at": wall(record.stopped_at),
+        "launched_at": wall(record.launched_at),
+        "resumed_at": wall(record.resumed_at),
+        "phases": {k: None if v is None else round(v, 6) for k, v in record.phases().items()},
+        "lost": None if lost is None else round(lost, 6),
+        "awaited": list(record.awaited),
+        "missing": list(record.missing),
+        "no_signal": list(record.no_signal),
+        "message": record.message or None,
     }
 
 

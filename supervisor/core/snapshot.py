@@ -13,6 +13,8 @@ from collections.abc import Callable, Mapping
 import msgspec
 import msgspec.structs
 
+from supervisor.core.goodput import Ledger
+
 MAX_MESSAGE_CHARS = 4096
 """The longest failure ``message`` and ``description`` a snapshot keeps, in characters.
 
@@ -97,35 +99,79 @@ class Snapshot(msgspec.Struct, frozen=True):
     progress_timeout: float = 60.0
     status_line: str = ""
     exit_code: int | None = None
+    # goodput and readiness (supervisor.core.goodput, health.readiness)
+    goodput: Ledger | None = None
+    ready_when: str = "launched"  # "launched" or "progress"
+
+
+ProgressListener = Callable[[int, int, float], None]
+"""Hears each rank's first progress of an attempt: ``(attempt, local_rank, monotonic)``."""
 
 
 class ProgressTable:
-    """Last progress time (monotonic) per local rank of the current attempt.
+    """Progress of the current attempt's local ranks (monotonic times).
 
-    Written only by the watchdog tailer; read by the health verdict. ``reset`` is called
-    by the controller when a new attempt launches so stale ranks are not judged.
+    One definition of progress, used by liveness, readiness and goodput alike: a deadline
+    post or heartbeat (``touch``, from the watchdog); for a rank that never posted one in
+    this run, its first output line (``touch_output``, from the output pumps, only when
+    its output passes through the supervisor). Otherwise a rank has no progress signal.
+
+    Written only by the watchdog and the output pumps; read by the health verdicts.
+    ``reset`` is called by the controller when a new attempt launches so stale ranks are
+    not judged. Only deadline posts age into "no progress for N s" (``view``): a rank that
+    printed one line is not expected to print more.
     """
 
     def __init__(self) -> None:
-        self._last: dict[int, float] = {}
+        self._last: dict[int, float] = {}  # last deadline post, this attempt
+        self._first: dict[int, float] = {}  # first progress of any kind, this attempt
+        self._posters: set[int] = set()  # ranks that posted a deadline in this run
+        self._ever: set[int] = set()  # ranks that showed progress in any attempt
+        self.expected: frozenset[int] = frozenset()  # showed it in an earlier attempt
         self.attempt = 0
-        # called after a rank's first progress of an attempt (no I/O: they set events)
+        self.listener: ProgressListener | None = None
+        # also called after a rank's first progress of an attempt (no I/O: they set events)
         self.listeners: list[Callable[[], None]] = []
 
     def reset(self, attempt: int) -> None:
         self.attempt = attempt
         self._last = {}
+        self._first = {}
+        self.expected = frozenset(self._ever)
 
     def touch(self, local_rank: int, now: float) -> None:
-        first = local_rank not in self._last
+        """A deadline post or heartbeat of ``local_rank`` at ``now``."""
         self._last[local_rank] = now
-        if first:
-            for listener in list(self.listeners):
-                listener()
+        self._posters.add(local_rank)
+        if local_rank not in self._first:
+            self._shown(local_rank, now)
+
+    def touch_output(self, local_rank: int, now: float) -> None:
+        """The first output line of ``local_rank`` in this attempt, read at ``now``."""
+        if local_rank in self._first or local_rank in self._posters:
+            return
+        self._shown(local_rank, now)
+
+    def _shown(self, local_rank: int, now: float) -> None:
+        self._first[local_rank] = now
+        self._ever.add(local_rank)
+        if self.listener is not None:
+            self.listener(self.attempt, local_rank, now)
+        for listener in list(self.listeners):
+            listener()
 
     def count(self) -> int:
-        """How many ranks of the current attempt have shown progress."""
-        return len(self._last)
+        """How many ranks of the current attempt have shown progress (of any kind)."""
+        return len(self._first)
 
     def view(self) -> Mapping[int, float]:
+        """Last deadline post per rank of this attempt (what liveness judges)."""
         return dict(self._last)
+
+    def shown(self) -> frozenset[int]:
+        """Ranks that showed progress (of any kind) in this attempt."""
+        return frozenset(self._first)
+
+    def last_progress(self, local_rank: int) -> float | None:
+        """When ``local_rank`` last showed progress in this attempt, if it did."""
+        return self._last.get(local_rank, self._first.get(local_rank))

@@ -18,16 +18,18 @@ test process, and the global registry would mix them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import Enum as EnumMetric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
-from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from supervisor.core import health
 from supervisor.core import state as sm
+from supervisor.core.goodput import CAUSES, Ledger, totals
 from supervisor.core.snapshot import Snapshot
 
 NAMESPACE = "elastic_supervisor"
@@ -40,6 +42,8 @@ OTHER_PATH = "other"
 
 _PHASES = tuple(p.value for p in sm.Phase)
 _RENDEZVOUS_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+_RECOVERY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0)
+_FAILURE_KINDS = tuple(k.value for k in sm.FailureKind)
 
 
 class StallCounts(Protocol):
@@ -100,6 +104,7 @@ class Metrics:
         self._make_run_counters()
         self._make_watchdog_counters()
         self._make_state_gauges()
+        self._make_goodput_metrics()
 
     # ------------------------------------------------------------------ construction
 
@@ -111,7 +116,11 @@ class Metrics:
 
     def _make_run_counters(self) -> None:
         self.restarts = self._counter("restarts", "Worker group restarts, by reason.", ("reason",))
+        for reason in (*_FAILURE_KINDS, "membership"):  # at zero: increase() sees the first
+            self.restarts.labels(reason)
         self.failures = self._counter("failures", "Root-cause failures, by kind.", ("kind",))
+        for kind in _FAILURE_KINDS:  # every kind at zero: alerts and panels need the series
+            self.failures.labels(kind)
         self.worker_exits = self._counter(
             "worker_exits", "Worker process exits, by outcome.", ("outcome",)
         )
@@ -170,6 +179,38 @@ class Metrics:
             "last_progress_age_seconds", "Seconds since a local rank last reported progress.",
             ("local_rank",),
         )
+
+    def _make_goodput_metrics(self) -> None:
+        # totals are derived from the published ledger at scrape time (GoodputCollector)
+        self.goodput = GoodputCollector()
+        self.registry.register(self.goodput)
+        self.recovery_seconds = Histogram(
+            "recovery_seconds", "Time lost per failure, from the failure until every awaited "
+            "rank showed progress again (recovered failures only), by cause.", ("cause",),
+            namespace=NAMESPACE, registry=self.registry, buckets=_RECOVERY_BUCKETS,
+        )
+        self.unrecovered = self._counter(
+            "unrecovered_failures", "Failures the run never recovered from, by cause.", ("cause",)
+        )
+        for cause in CAUSES:
+            self.recovery_seconds.labels(cause)
+            self.unrecovered.labels(cause)
+        self.ready = self._gauge("ready", "1 while /readyz would answer 200, else 0.")
+        self.live = self._gauge("live", "1 while /healthz would answer 200, else 0.")
+        self.max_restarts = self._gauge("max_restarts", "The failure restart budget.")
+        self.progress_timeout = self._gauge(
+            "progress_timeout_seconds", "Silence after which a rank's progress is stale."
+        )
+        self.awaiting_progress = self._gauge(
+            "awaiting_progress_ranks", "Local ranks readiness still waits to see progress from."
+        )
+
+    def record_recovery(self, cause: str, seconds: float, recovered: bool) -> None:
+        """A failure record closed: observe its recovery time (or count it unrecovered)."""
+        if recovered:
+            self.recovery_seconds.labels(cause).observe(max(0.0, seconds))
+        else:
+            self.unrecovered.labels(cause).inc()
 
     # ------------------------------------------------------ controller Observer seam
 
@@ -299,6 +340,33 @@ class Metrics:
         self.rendezvous_round.set(snapshot.rendezvous.round)
         self.loop_lag.set(loop_lag)
         self._observe_progress(progress, now_mono)
+        self.goodput.observe(snapshot.goodput, now_mono)
+
+    def observe_readiness(
+        self,
+        snapshot: Snapshot,
+        progress: Mapping[int, float],
+        now_mono: float,
+        loop_lag: float,
+        *,
+        shown: Collection[int],
+        expected: Collection[int],
+        max_loop_lag: float = health.DEFAULT_MAX_LOOP_LAG,
+    ) -> None:
+        """Set the readiness gauges as ``/readyz`` and ``/healthz`` would judge now."""
+        verdict = health.ready_and_live(
+            snapshot, progress, now_mono, loop_lag, shown=shown, expected=expected,
+            max_loop_lag=max_loop_lag,
+        )
+        self.ready.set(1 if verdict.ok else 0)
+        alive = health.liveness(snapshot, progress, now_mono, loop_lag,
+                                max_loop_lag=max_loop_lag)
+        self.live.set(1 if alive.ok else 0)
+        self.max_restarts.set(snapshot.max_restarts)
+        self.progress_timeout.set(snapshot.progress_timeout)
+        self.awaiting_progress.set(
+            len(health.awaited_ranks(snapshot, shown, expected, now_mono))
+        )
 
     def _observe_progress(self, progress: Mapping[int, float], now_mono: float) -> None:
         # ranks of a previous attempt must disappear, so rebuild the labelled series
@@ -309,6 +377,75 @@ class Metrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric in this registry."""
         return generate_latest(self.registry)
+
+
+class GoodputCollector(Collector):
+    """Goodput totals as counters, computed from the latest ledger when scraped.
+
+    Every cause's ``lost_seconds_total`` series exists from the start (at zero), so
+    dashboards and alerts see it before the first failure of that cause.
+
+    The accountant may move time between kinds after the fact: a hang is noticed at its
+    deadline, but the time since the rank's last progress was lost, not productive. A
+    counter must never go down (Prometheus would take it for a reset), so each series
+    exports the highest value it ever had: after such a correction it stays flat until
+    the true total catches up. ``/status`` shows the true totals.
+    """
+
+    def __init__(self) -> None:
+        self._ledger: Ledger | None = None
+        self._now = 0.0
+        self._high: dict[tuple[str, str], float] = {}
+
+    def observe(self, ledger: Ledger | None, now_mono: float) -> None:
+        """Remember the ledger to render on the next collection."""
+        self._ledger = ledger
+        self._now = now_mono
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(self._families(None, 0.0))
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families(self._ledger, self._now)
+        for family in families:
+            if family.type != "counter":
+                continue
+            for i, sample in enumerate(family.samples):
+                key = (sample.name, ",".join(sample.labels.values()))
+                high = max(self._high.get(key, 0.0), sample.value)
+                self._high[key] = high
+                family.samples[i] = sample._replace(value=high)
+        return iter(families)
+
+    @staticmethod
+    def _families(ledger: Ledger | None, now: float) -> list[Metric]:
+        t = totals(ledger, now) if ledger is not None else None
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(f"{NAMESPACE}_{name}", doc, value=value)
+
+        lost = CounterMetricFamily(
+            f"{NAMESPACE}_lost_seconds", "Wall time lost to failures and membership changes "
+            "(failure until progress resumed), by cause.", labels=("cause",),
+        )
+        for cause in CAUSES:
+            lost.add_metric((cause,), t.lost_by_cause.get(cause, 0.0) if t else 0.0)
+        ratio = GaugeMetricFamily(
+            f"{NAMESPACE}_goodput_ratio", "Effective training time ratio: productive / wall.",
+            value=(t.ratio or 0.0) if t else 0.0,
+        )
+        return [
+            counter("productive_seconds", "Wall time with every awaited rank progressing.",
+                    t.productive if t else 0.0),
+            counter("startup_seconds", "Wall time before the first attempt's progress.",
+                    t.startup if t else 0.0),
+            counter("idle_seconds", "Wall time neither productive nor lost (exit barrier, "
+                    "shutdown).", t.idle if t else 0.0),
+            counter("wall_seconds", "Wall time accounted since the supervisor started.",
+                    t.wall if t else 0.0),
+            lost,
+            ratio,
+        ]
 
 
 def _exit_outcome(old: sm.State, event: sm.WorkerExited) -> str:

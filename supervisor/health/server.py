@@ -101,24 +101,31 @@ class HealthApp:
         return _verdict_response(verdict)
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """Readiness: 200 while the group runs healthy, else 503."""
+        """Readiness: 200 while the group runs healthy (and progresses), else 503."""
         verdict = health.ready_and_live(
             self._snapshots(), self._progress.view(), self._clock(), self._lag(),
-            max_loop_lag=self._max_loop_lag,
+            max_loop_lag=self._max_loop_lag, shown=self._progress.shown(),
+            expected=self._progress.expected,
         )
         return _verdict_response(verdict)
 
     async def status(self, request: web.Request) -> web.Response:
         """The status document."""
         doc = health.status_document(
-            self._snapshots(), self._progress.view(), self._clock(), now_wall=self._wall()
+            self._snapshots(), self._progress.view(), self._clock(), now_wall=self._wall(),
+            shown=self._progress.shown(), expected=self._progress.expected,
         )
         return _json_response(doc, 200)
 
     async def metrics(self, request: web.Request) -> web.Response:
         """Prometheus text; state gauges are refreshed from the snapshot first."""
-        self._metrics.observe(
+        snapshot, progress, now, lag = (
             self._snapshots(), self._progress.view(), self._clock(), self._lag()
+        )
+        self._metrics.observe(snapshot, progress, now, lag)
+        self._metrics.observe_readiness(
+            snapshot, progress, now, lag, shown=self._progress.shown(),
+            expected=self._progress.expected, max_loop_lag=self._max_loop_lag,
         )
         return web.Response(
             body=self._metrics.render(),

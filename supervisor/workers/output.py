@@ -336,6 +336,7 @@ class Pump:
     filtered: LogFile | None = None
     needles: tuple[bytes, ...] = ()
     splitter: LineSplitter = field(default_factory=LineSplitter)
+    on_first_line: Callable[[], None] | None = None  # the rank's first line: progress
     done: anyio.Event = field(default_factory=anyio.Event)
     # shielded: only EOF, request_stop() or cancel() end a pump, never the caller's scope,
     # so a supervisor shutting down still writes out what the workers said last
@@ -384,6 +385,9 @@ class Pump:
                 self._eof = True
                 return
             self.file.write(chunk)
+            if self.on_first_line is not None and b"\n" in chunk:
+                heard, self.on_first_line = self.on_first_line, None
+                heard()
             if self.console is not None:
                 await self._emit(self.splitter.feed(chunk))
 
@@ -456,6 +460,8 @@ class OutputPlan:
         self._child_fds: dict[int, list[int]] = {}
         self.loss = OutputLoss()  # what could not be written (metrics, events)
         self._tg: TaskGroup | None = None
+        # told the local rank of each pump's first complete line (goodput, readiness)
+        self.on_first_line: Callable[[int], None] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> OutputPlan:
@@ -528,6 +534,8 @@ class OutputPlan:
                         restart_count=restart_count,
                     )
                     fd = self._start_pump(dir_index, rank_dir, name, bit, route, prefix)
+                    if self.on_first_line is not None:
+                        self._pumps[-1].on_first_line = partial(self.on_first_line, local_rank)
                 opened.append(fd)
                 fds.append(fd)
         except BaseException:
