@@ -64,6 +64,9 @@ class GoodputRecorder:
         self.closed: list[Recovery] = []
         self.metrics: RecoveryMetrics | None = None
         self.republish: Callable[[], None] = lambda: None  # the controller's snapshot
+        # the state machine's attempt -> the number users see (K of attempt_K), so that
+        # records, events and /status carry the one attempt number (controller.shown_attempt)
+        self.shown: Callable[[int], int] = lambda attempt: attempt
         self._clock = clock
         self._wall = wall
         self._changed = anyio.Event()
@@ -83,7 +86,7 @@ class GoodputRecorder:
     # ------------------------------------------------------------------ inputs
     def on_progress(self, attempt: int, local_rank: int, at: float) -> None:
         """A rank's first progress in an attempt (ProgressTable listener)."""
-        closed = self.accountant.progress(attempt, local_rank, at)
+        closed = self.accountant.progress(self.shown(attempt), local_rank, at)
         if closed or not self.accountant.ledger().awaiting:
             self._report(closed)
             self.republish()
@@ -96,7 +99,7 @@ class GoodputRecorder:
         now = self._clock()
         closed: list[Recovery] = []
         if isinstance(event, sm.GroupLaunched):
-            closed += acc.launched(event.attempt, event.local_ranks, event.at)
+            closed += acc.launched(self.shown(event.attempt), event.local_ranks, event.at)
         elif isinstance(event, sm.GroupStopped):
             acc.stopped(event.at)
         if old.phase is sm.Phase.RUNNING and new.phase is sm.Phase.STOPPING:

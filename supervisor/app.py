@@ -300,6 +300,7 @@ async def supervise(
         stop_guard=lambda: extending_timeout(notifier), goodput=goodput,
     )
     goodput.republish = lambda: hub.publish(controller.snapshot())
+    goodput.shown = controller.shown_attempt
     for level, note in advisories(settings):  # after the checks: a failed start is one line
         logger.log(level, "%s", note)
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),

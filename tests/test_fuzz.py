@@ -288,7 +288,7 @@ PARSE_TIME_BAD: list[list[str]] = [
     *(["--nproc-per-node", v] for v in ["0", "-2", "x", "gpu", "1.5", ""]),
     *(["--node-rank", v] for v in ["-1", "x", "1"]),
     *(["--max-restarts", v] for v in ["-1", "many", "1e3", "1.5"]),
-    *(["--rdzv-backend", v] for v in ["zookeeper", "c10d", ""]),
+    *(["--rdzv-backend", v] for v in ["zookeeper", "c10d2", ""]),
     *(["--master-port", v] for v in ["-1", "70000", "x"]),
     *(["--shutdown-timeout", v] for v in ["-1", "x", "nan"]),
     *(["--progress-timeout", v] for v in ["0", "-1", "nan"]),

@@ -59,7 +59,7 @@ async def test_crash_phases_match_the_workers_timestamps(tmp_path: Path) -> None
     )
     rec = recovered(events)
     assert rec["recovered"] is True and rec["outcome"] == "recovered"
-    assert rec["cause"] == "exit_code" and rec["local_rank"] == 1 and rec["failed_attempt"] == 1
+    assert rec["cause"] == "exit_code" and rec["local_rank"] == 1 and rec["failed_attempt"] == 0
     (crash,) = [w["t"] for w in wlog if w["event"] == "exit"]
     resumed = max(first_posts(wlog, 1).values())  # every rank of the new attempt posted
     errors = {"failed": rec["failed_at"] - crash, "resumed": rec["resumed_at"] - resumed}

@@ -176,10 +176,10 @@ async def test_node_loss_is_accounted_as_node_lost_and_its_summary_vanishes(
                 await anyio.sleep(0.1)  # the event log is a file: no change notification
         (rec,) = survivor.events("recovered")
         assert rec["cause"] == "node_lost" and rec["recovered"] is True
-        assert "local_rank" not in rec and rec["failed_attempt"] == 1  # None: not logged
+        assert "local_rank" not in rec and rec["failed_attempt"] == 0  # None: not logged
         assert rec["no_signal"] == [0, 1]  # the fake workers post no progress at all
         # the victim's key went with its lease; the survivor's follows its new attempt
         # (written at most once a second)
         rows = await wait_summaries(client, job.run_id, lambda r: len(r) == 1
-                                    and r[0]["attempt"] == 2 and r[0]["state"] == "running")
+                                    and r[0]["attempt"] == 1 and r[0]["state"] == "running")
         assert rows[0]["node_id"] != victim_id

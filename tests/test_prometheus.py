@@ -119,7 +119,7 @@ async def test_dashboard_queries_return_data_from_a_live_supervisor(tmp_path: Pa
     try:
         async with supervisor(args, env={"PYTHONPATH": str(TESTS.parent)}) as sup, \
                 aiohttp.ClientSession() as http:
-            await sup.err.expect(r"failure 1 \(exit_code, attempt 1\): recovered", timeout=60)
+            await sup.err.expect(r"failure 1 \(exit_code, attempt 0\): recovered", timeout=60)
             for path in ("/readyz", "/healthz"):  # probe results for the dashboard
                 async with http.get(f"http://127.0.0.1:{port}{path}") as resp:
                     assert resp.status == 200
