@@ -22,6 +22,10 @@ every 0.2 s. For SECONDS the harness injects, at random:
 - ``diskfull`` (only with ``--disk-full``, as root: the log directory is a tmpfs; it is
   filled while a worker floods, then freed: the rank's ``stdout.log`` must carry the
   supervisor's "bytes of output lost" marker followed by what the worker wrote after);
+- ``etcd-quorum`` (only with ``--etcd``: the supervisor runs the etcd backend against a
+  3-member cluster the harness starts; two members are SIGSTOPped, so no quorum, for
+  longer than the lease TTL, then continued: the healthy group must ride the outage out,
+  with no worker exit and no restart, and answer a forwarded SIGUSR1 afterwards);
 - in the background, all the time: ``fifo`` (garbage, oversized lines and forged requests
   naming foreign processes, the supervisor, its guardian and pid 1 written to the deadline
   FIFO), ``http`` (probe storms: every path and method, unknown paths, raw garbage) and
@@ -73,6 +77,7 @@ from typing import Any
 
 import aiohttp
 import anyio
+import anyio.to_thread
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -86,6 +91,8 @@ FOREIGN_MARK = "CHAOS_FOREIGN"  # processes the supervisor must never touch
 SHUTDOWN_TIMEOUT = 2.0  # the supervisor's grace before SIGKILL (a SIGSTOPped worker needs it)
 LOOP_DEADLINE = 4.0  # every worker renews a deadline this long every 0.2 s
 FREEZE = LOOP_DEADLINE + 1.0  # the ``frozen`` fault stops the supervisor this long
+ETCD_TTL = 2  # lease TTL of the supervisor under ``--etcd``
+ETCD_OUTAGE = 2 * ETCD_TTL + 1.0  # the ``etcd-quorum`` fault lasts this long
 LOG_TMPFS_SIZE = "256m"  # the log directory's tmpfs with --disk-full
 LOST_MARKER = b"bytes of output lost here: "
 HANG_DEADLINE = 0.3
@@ -502,6 +509,7 @@ class Chaos:
         self.floods = 0
         self.tail = EventTail(self.root / "logs" / "chaos" / "events.jsonl", self.board)
         self.log_tmpfs: Path | None = None
+        self.etcd: Any = None  # tests.etcd_server.EtcdFactory with --etcd
         self.freeze_epoch = 0  # counts SIGSTOPs and SIGCONTs of the supervisor
         self.fifo_quiet = anyio.Lock()  # held by a FIFO fault, or by a freeze
 
@@ -547,8 +555,18 @@ class Chaos:
         env.update({MARK: self.token, "CHAOS_CTL": str(self.root / "ctl.sock"),
                     "CHAOS_CMD": str(self.root / "cmd"), "PYTHONPATH": str(REPO),
                     "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+        rdzv: list[str] = []
+        if self.args.etcd:
+            from tests.etcd_server import EtcdFactory
+
+            self.etcd = EtcdFactory(self.root / "etcd")
+            members = self.etcd.cluster(3)
+            rdzv = ["--rdzv-backend", "etcd", "--nnodes", "1",
+                    "--rdzv-endpoint", ",".join(m.endpoint for m in members),
+                    "--rdzv-conf", f"lease_ttl={ETCD_TTL},last_call_timeout=0.2"]
         argv = [
-            sys.executable, "-m", "supervisor", "run", "--nproc-per-node", str(self.args.workers),
+            sys.executable, "-m", "supervisor", "run", *rdzv,
+            "--nproc-per-node", str(self.args.workers),
             "--max-restarts", str(self.args.max_restarts), "--health-port", "0",
             "--health-host", "127.0.0.1", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT),
             "--tee", "3", "--log-dir", str(self.root / "logs"), "--rdzv-id", "chaos",
@@ -739,6 +757,40 @@ class Chaos:
             fault.problems.append(f"the group restarted after a {FREEZE:g} s freeze")
             return
         fault.detail["confirmed"] = time.monotonic()  # the same clock as the events' "mono"
+        fault.observed = True
+
+    async def etcd_quorum(self) -> None:
+        """SIGSTOP two of the three etcd members (no quorum) for longer than the lease
+        TTL, then SIGCONT them: a healthy group rides the outage out (no restart, no worker
+        exit) and answers a forwarded SIGUSR1 once etcd is back."""
+        assert self.etcd is not None
+        restart, _group = self.current()
+        stopped = self.rng.sample(self.etcd.members, 2)
+        fault = Fault("etcd-quorum", time.monotonic(), None,
+                      {"restart": restart, "members": [m.name for m in stopped]})
+        self.faults.append(fault)
+        exits = len(self.board.events_named("worker_exited"))
+        for member in stopped:
+            assert member.process is not None
+            member.process.send_signal(signal.SIGSTOP)
+        try:
+            await anyio.sleep(ETCD_OUTAGE)  # the outage itself is the fault: it must last
+        finally:
+            for member in stopped:
+                assert member.process is not None
+                member.process.send_signal(signal.SIGCONT)
+        # a member set that re-forms identically within one TTL after etcd returns is no
+        # change: wait that out, then the same group must still be there and answer
+        await anyio.sleep(ETCD_TTL + 1.0)  # the grace of the rendezvous leader
+        try:
+            await self.sigusr1()
+        except TimeoutError:
+            fault.problems.append("the group did not answer SIGUSR1 after the etcd outage")
+            return
+        if self.board.restart != restart:
+            fault.problems.append(f"the group restarted after a {ETCD_OUTAGE:g} s quorum loss")
+        if len(self.board.events_named("worker_exited")) != exits:
+            fault.problems.append("a worker exited during the etcd outage")
         fault.observed = True
 
     async def diskfull(self) -> None:
@@ -944,6 +996,8 @@ class Chaos:
                  "flood": 2, "grandchild": 2, "sigusr1": 2, "frozen": 1}
         if self.log_tmpfs is not None:
             kinds["diskfull"] = 1
+        if self.etcd is not None:
+            kinds["etcd-quorum"] = 1
         if self.args.kinds:
             wanted = set(self.args.kinds.split(","))
             kinds = {k: w for k, w in kinds.items() if k in wanted} or kinds
@@ -958,7 +1012,7 @@ class Chaos:
             else:
                 await {"flood": self.flood, "grandchild": self.grandchild,
                        "sigusr1": self.sigusr1, "frozen": self.frozen,
-                       "diskfull": self.diskfull}[kind]()
+                       "diskfull": self.diskfull, "etcd-quorum": self.etcd_quorum}[kind]()
             await anyio.sleep(self.rng.uniform(0.05, 0.4))  # pacing
 
     async def warm_up(self) -> None:
@@ -1284,6 +1338,11 @@ class Chaos:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+        if self.etcd is not None:
+            for member in self.etcd.members:  # continued first: a stopped one ignores TERM
+                if member.process is not None and member.process.poll() is None:
+                    member.process.send_signal(signal.SIGCONT)
+            await anyio.to_thread.run_sync(self.etcd.close)
         if self.args.keep and self.log_tmpfs is not None:
             log(f"log tmpfs left mounted at {self.log_tmpfs} (--keep)")
         else:
@@ -1357,6 +1416,9 @@ def main(argv: Iterable[str] | None = None) -> int:
                    help="only these main-loop faults, comma-separated (e.g. frozen,diskfull)")
     p.add_argument("--disk-full", action="store_true",
                    help="put the logs on a tmpfs and inject 'diskfull' faults (needs root)")
+    p.add_argument("--etcd", action="store_true",
+                   help="run the etcd backend against a 3-member cluster and inject "
+                        "'etcd-quorum' faults (needs Debian's etcd-server)")
     args = p.parse_args(list(argv) if argv is not None else None)
     if args.seed is None:
         args.seed = random.SystemRandom().randrange(10**6)

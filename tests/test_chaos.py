@@ -21,10 +21,10 @@ from tests.conftest import REPO
 DESTRUCTIVE = ("crash", "sigkill", "hang", "sigstop", "sigstop+crash", "guardian-stop")
 
 
-async def run_chaos(tmp_path: Path, seconds: float) -> dict[str, Any]:
+async def run_chaos(tmp_path: Path, seconds: float, *extra: str) -> dict[str, Any]:
     out = tmp_path / "chaos.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "chaos.py"), "--seconds", str(seconds),
-           "--json", str(out)]
+           "--json", str(out), *extra]
     with anyio.fail_after(seconds + 90):
         result = await anyio.run_process(cmd, check=False, cwd=REPO)
     table = result.stdout.decode()
@@ -51,6 +51,16 @@ def assert_meaningful(report: dict[str, Any], min_restarts: int) -> None:
 async def test_short_chaos_run_has_no_violations(tmp_path: Path) -> None:
     report = await run_chaos(tmp_path, seconds=20)
     assert_meaningful(report, min_restarts=4)
+
+
+@pytest.mark.etcd
+async def test_chaos_with_etcd_quorum_loss_has_no_violations(tmp_path: Path) -> None:
+    """The etcd backend against a 3-member cluster, two of whose members are stopped for
+    longer than the lease TTL now and then: healthy workers ride every outage out."""
+    report = await run_chaos(tmp_path, 15, "--etcd", "--kinds", "etcd-quorum,crash")
+    row = report["faults"]["etcd-quorum"]
+    assert row["injected"] >= 1 and row["survived"] == row["injected"], report["faults"]
+    assert report["orphans"] == 0 and report["foreign_signalled"] == 0
 
 
 @pytest.mark.slow
