@@ -107,6 +107,8 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
         while proc.poll() is None and time.monotonic() < deadline:
             if not sampled and "--preload" in cell.flags and (out / "a0_r0.json").exists():
                 sampled = sample_standbys(cell, proc.pid, ranks, out)
+            if stalled(out, ranks, crashes):
+                break  # a recovery that did not happen: this run is over (torchrun's)
             time.sleep(0.05)
     finally:
         stop(proc)
@@ -119,6 +121,19 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
     else:
         shutil.rmtree(root, ignore_errors=True)
     return found
+
+
+STALL = 12.0  # s after a crash without every rank's first step: the recovery failed
+
+
+def stalled(out: Path, ranks: int, crashes: int) -> bool:
+    """Whether the last crash has gone ``STALL`` s without the next attempt stepping."""
+    last = max((k for k in range(crashes) if (out / f"crash_{k}").exists()), default=None)
+    if last is None:
+        return False
+    if all((out / f"a{last + 1}_r{r}.json").exists() for r in range(ranks)):
+        return False
+    return time.time() - float((out / f"crash_{last}").read_text()) > STALL
 
 
 def sample_standbys(cell: Cell, pid: int, ranks: int, out: Path) -> bool:

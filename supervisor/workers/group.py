@@ -393,7 +393,10 @@ class WorkerGroup:
             record = (str(Path(spec.env["TORCHELASTIC_ERROR_FILE"]).parent
                           / autopreload.RECORD_NAME)
                       if self.standby_options.auto else None)
-            worker = standby.go(spec, per_attempt, self._await_store(spec), record)
+            # only a preloaded standby waits for rank 0's store: one that imports the
+            # framework itself would serialise that import behind rank 0's
+            store = self._await_store(spec) if standby.preloading else None
+            worker = standby.go(spec, per_attempt, store, record)
             if worker is None:
                 self.stats.cold_other += 1
         else:
@@ -409,8 +412,8 @@ class WorkerGroup:
         return worker
 
     def _await_store(self, spec: WorkerSpec) -> tuple[str, int, float] | None:
-        """For a warm rank other than 0 on rank 0's node, once the job is known to use
-        rank 0's store: where to wait for it before the user's code dials it.
+        """For a preloaded warm rank other than 0 on rank 0's node, once the job is known
+        to use rank 0's store: where to wait for it before the user's code dials it.
 
         torch's store client that dials before the server listens is refused and retries
         after an exponential backoff (250-750 ms first), which is most of a warm
