@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -300,6 +300,15 @@ async def supervise(
         stop_guard=lambda: extending_timeout(notifier), goodput=goodput,
     )
     goodput.republish = lambda: hub.publish(controller.snapshot())
+    if etcd is not None:  # an outage's start and end change /status: publish them
+        controller.service_status = etcd.outage_status
+        emit = events.emit
+
+        def on_etcd_event(kind: str, **fields: Any) -> None:
+            emit(kind, **fields)
+            hub.publish(controller.snapshot())
+
+        etcd.on_event = on_etcd_event
     goodput.shown = controller.shown_attempt
     for level, note in advisories(settings):  # after the checks: a failed start is one line
         logger.log(level, "%s", note)

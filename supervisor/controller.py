@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
 import msgspec
@@ -172,6 +172,8 @@ class Controller:
             sweep_adopted=sweep_adopted, exempt_pids=exempt_pids, command=command, cpus=cpus,
         )
         self.health_port: int | None = None  # set once the health socket is bound
+        # the etcd backends' reachability and outages, for /status (set by the app)
+        self.service_status: Callable[[], dict[str, Any]] | None = None
         self._action = anyio.CancelScope()
         self._tg: TaskGroup | None = None
         self._send: Outbox | None = None
@@ -617,6 +619,7 @@ class Controller:
                 group_rank=rnd.group_rank if rnd else 0,
                 group_world_size=rnd.group_world_size if rnd else 0,
                 last_duration=rnd.duration if rnd else None,
+                etcd=self.service_status() if self.service_status is not None else None,
             ),
             watchdog_enabled=self.timer_file is not None,
             progress_timeout=self.settings.progress_timeout,

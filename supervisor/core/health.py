@@ -248,6 +248,7 @@ def _rendezvous_json(rdzv: RendezvousView) -> dict[str, Any]:
         "group_rank": rdzv.group_rank,
         "group_world_size": rdzv.group_world_size,
         "duration": rdzv.last_duration,
+        "etcd": rdzv.etcd,
     }
 
 

@@ -9,6 +9,7 @@ progress) and readers only read, so a busy FIFO does not republish snapshots.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import msgspec
 import msgspec.structs
@@ -76,6 +77,7 @@ class RendezvousView(msgspec.Struct, frozen=True):
     group_rank: int = 0
     group_world_size: int = 1
     last_duration: float | None = None
+    etcd: dict[str, Any] | None = None  # reachability and outages, for the etcd backends
 
 
 class Snapshot(msgspec.Struct, frozen=True):
