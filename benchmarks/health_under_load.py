@@ -66,7 +66,8 @@ def start_supervisor(
     stderr = open(base / "supervisor.log", "wb")  # noqa: SIM115
     cmd = [sys.executable, "-m", "supervisor", "run", "--health-port", "0",
            "--nproc-per-node", "8", "--tee", "3", "--max-restarts", "1000",
-           "--log-dir", str(base / "logs"), str(base / "worker.py"), str(out),
+           "--log-dir", str(base / "logs"), *args.supervisor_flags.split(),
+           str(base / "worker.py"), str(out),
            str(args.line_rate), str(crash_every)]
     proc = subprocess.Popen(cmd, stdout=console, stderr=stderr, start_new_session=True)
     deadline = time.monotonic() + 30
@@ -148,6 +149,9 @@ def main() -> int:
     parser.add_argument("--crash-every", type=float, default=2.0)
     parser.add_argument("--settle", type=float, default=1.0, help="seconds before the load")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--supervisor-flags", default="",
+                        help="extra flags for the supervisor, e.g. '--preload torch' (its "
+                             "standbys then import torch at idle priority between restarts)")
     args = parser.parse_args()
     flood = one_run(args, loaded=True, crash_every=1e9)  # flooding, no restarts
     unloaded = one_run(args, loaded=False, crash_every=args.crash_every)
