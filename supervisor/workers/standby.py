@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import functools
 import logging
 import marshal
 import os
@@ -308,6 +309,7 @@ class Standby:
         self.env = dict(env)  # what it was started with
         self.preload = tuple(preload)
         self.auto_spec = auto_spec  # the file with its auto list (it removes it)
+        self.idle = False  # waiting at SCHED_IDLE (set back to normal at the hand-off)
         self._report: bytes | None = None  # b"R" or b"F..." once the preload reported
 
     @property
@@ -395,6 +397,11 @@ class Standby:
                            self.local_rank, self.process.status)
             self.discard()
             return None
+        if self.idle and not _set_policy(self.pid, os.SCHED_OTHER):
+            logger.warning("standby for local rank %d: cannot restore its CPU priority",
+                           self.local_rank)
+            self.discard()
+            return None
         targets = [n for n, fd in ((1, spec.stdout), (2, spec.stderr)) if fd is not None]
         fds = [fd for fd in (spec.stdout, spec.stderr) if fd is not None]
         body = marshal.dumps({
@@ -470,7 +477,32 @@ def spawn_standby(
         raise
     finally:
         theirs.close()
-    return Standby(process, ours, prefix, env, options.preload, auto_spec)
+    standby = Standby(process, ours, prefix, env, options.preload, auto_spec)
+    # Where we may raise it back at the hand-off (CAP_SYS_NICE), the standby waits at idle
+    # CPU priority: its start-up never takes a CPU from the workers or from our loop.
+    standby.idle = _can_raise_priority() and _set_policy(process.pid, os.SCHED_IDLE)
+    return standby
+
+
+def _set_policy(pid: int, policy: int) -> bool:
+    try:
+        os.sched_setscheduler(pid, policy, os.sched_param(0))
+    except OSError:
+        return False
+    return True
+
+
+@functools.cache
+def _can_raise_priority() -> bool:
+    """Whether we hold CAP_SYS_NICE (root usually), without which SCHED_IDLE is one-way."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> 23 & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def is_standby_command(argv: Sequence[str]) -> bool:
