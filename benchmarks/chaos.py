@@ -559,6 +559,7 @@ class Chaos:
         if self.args.etcd:
             from tests.etcd_server import EtcdFactory
 
+            (self.root / "etcd").mkdir()
             self.etcd = EtcdFactory(self.root / "etcd")
             members = self.etcd.cluster(3)
             rdzv = ["--rdzv-backend", "etcd", "--nnodes", "1",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 from msgspec.structs import replace
 
@@ -183,7 +184,7 @@ def test_status_document_rendezvous() -> None:
     doc = status_document(make_snapshot(), {}, NOW)
     assert doc["rendezvous"] == {
         "backend": "static", "round": 4, "members": ["a", "b"], "group_rank": 2,
-        "group_world_size": 4, "duration": 0.25,
+        "group_world_size": 4, "duration": 0.25, "etcd": None,
     }
 
 
@@ -212,3 +213,13 @@ def test_status_document_exposes_no_environment_or_command() -> None:
     text = json.dumps(status_document(make_snapshot(), {}, NOW)).lower()
     for word in ("environ", "env", "argv", "command", "cmd", "secret", "token", "password"):
         assert f'"{word}' not in text
+
+
+def test_status_document_shows_the_etcd_outage_view() -> None:
+    """The etcd backends' reachability and outages reach /status as the app gives them."""
+    view = {"reachable": False, "unreachable_for": 3.5, "outages": 2, "last_outage": 12.0,
+            "total_outage": 15.5, "cause": "no answer", "outage_limit": None}
+    snap = make_snapshot()
+    snap = msgspec.structs.replace(
+        snap, rendezvous=msgspec.structs.replace(snap.rendezvous, etcd=view))
+    assert status_document(snap, {}, NOW)["rendezvous"]["etcd"] == view
