@@ -212,6 +212,7 @@ with open(os.path.join(out, f"{restart}.json.tmp"), "w") as f:
     json.dump({"modules": start_modules, "pkg": rankreader_pkg.RANK_AT_IMPORT,
                "local": rankreader_local.RANK_AT_IMPORT, "rank": os.environ["RANK"]}, f)
 os.replace(os.path.join(out, f"{restart}.json.tmp"), os.path.join(out, f"{restart}.json"))
+print(f"recorded {restart}", flush=True)
 gate = os.path.join(out, f"go{restart}")
 deadline = time.monotonic() + 120
 while not os.path.exists(gate) and time.monotonic() < deadline:
@@ -260,7 +261,7 @@ async def test_preload_auto_learns_imports_and_never_preloads_a_rank_reader(
                              r"package 'rankreader_pkg' is never preloaded", timeout=60)
         await sup.err.expect(r"standby for local rank 0 preloaded auto in", timeout=60)
         (out / "go1").touch()
-        await anyio_wait_file(out / "2.json")
+        await sup.out.expect(r"^recorded 2$", timeout=60)
         (out / "go2").touch()
         assert await sup.wait() == 0
     records = [json.loads((out / f"{i}.json").read_text()) for i in range(3)]
@@ -272,9 +273,3 @@ async def test_preload_auto_learns_imports_and_never_preloads_a_rank_reader(
         assert record["pkg"] == record["local"] == record["rank"] == "0"
     # regression: the import recorder once wrote its list over the last module's file
     assert Path(psutil.__file__).read_bytes() == installed
-
-
-async def anyio_wait_file(path: Path, timeout: float = 60.0) -> None:
-    with anyio.fail_after(timeout):
-        while not path.exists():
-            await anyio.sleep(0.01)  # polling a file the worker writes, bounded

@@ -102,17 +102,6 @@ class StandbyPlan:
     done: anyio.Event
 
 
-@dataclass
-class StandbyStats:
-    """What happened to standbys, for metrics and tests (counters only grow)."""
-
-    started: int = 0
-    used: int = 0
-    cold_env_changed: int = 0
-    cold_preload_failed: int = 0
-    cold_other: int = 0
-
-
 class WorkerGroup:
     """Launches, watches and stops the attempts of one supervisor's local worker group."""
 
@@ -149,7 +138,6 @@ class WorkerGroup:
         self.death = DeathSignal()
         self.attempt: Attempt | None = None
         self.standbys: dict[int, Standby] = {}  # local rank -> its warm interpreter
-        self.stats = StandbyStats()
         explicit = tuple(m for m in settings.preload if m != "auto")
         self.standby_options = StandbyOptions(preload=explicit, auto="auto" in settings.preload)
         self.auto_names: dict[int, list[str]] = {}  # local rank -> its last worker's imports
@@ -157,7 +145,6 @@ class WorkerGroup:
         self._taint_retries: dict[int, int] = {}
         self._cold: dict[int, str] = {}  # local rank -> why its standby went unused
         self._pending_cold: dict[int, str] = {}  # the same, learned before the launch
-        self._last_cold_kind = "other"
         self._python = self.environ.get("PYTHON_EXEC", sys.executable)
         self.dir_base = _next_attempt_index(log_root / run_id)
         self._spawning: anyio.Event | None = None  # set when standbys being started are in
@@ -296,7 +283,6 @@ class WorkerGroup:
             plan.done.set()
         for standby in started:
             self.standbys[standby.local_rank] = standby
-            self.stats.started += 1
             if self.guardian is not None:
                 self.guardian.watch(standby.pid)
             logger.debug("standby for local rank %d started as pid %d", standby.local_rank,
@@ -326,7 +312,6 @@ class WorkerGroup:
         if tainted is None:
             logger.warning("standby for local rank %d discarded, the rank will start cold: %s",
                            standby.local_rank, failure)
-            self.stats.cold_preload_failed += 1
             self._pending_cold[standby.local_rank] = "preload_failed"
         else:
             logger.warning("--preload auto: %s; package %r is never preloaded in this run",
@@ -389,8 +374,8 @@ class WorkerGroup:
         if standby is None:
             return None
         worker = None
-        reason = self._cold_reason(standby, spec)
-        if reason is None:
+        cold = self._cold_reason(standby, spec)  # (metric label, log text) or None
+        if cold is None:
             per_attempt = {k: spec.env[k] for k in PER_ATTEMPT_ENV if k in spec.env}
             record = (str(Path(spec.env["TORCHELASTIC_ERROR_FILE"]).parent
                           / autopreload.RECORD_NAME)
@@ -399,17 +384,14 @@ class WorkerGroup:
             # framework itself would serialise that import behind rank 0's
             store = self._await_store(spec) if standby.preloading else None
             worker = standby.go(spec, per_attempt, store, record)
-            if worker is None:
-                self.stats.cold_other += 1
         else:
-            logger.warning("local rank %d starts cold: %s", spec.local_rank, reason)
+            logger.warning("local rank %d starts cold: %s", spec.local_rank, cold[1])
         if worker is None:
-            self._cold[spec.local_rank] = self._last_cold_kind
+            self._cold[spec.local_rank] = cold[0] if cold is not None else "other"
             standby.discard()
             if self.guardian is not None:
                 self.guardian.forget(standby.pid)
             return None
-        self.stats.used += 1
         worker.extra["warm"] = True
         return worker
 
@@ -438,22 +420,17 @@ class WorkerGroup:
                 logger.debug("rank 0 hosts a store on port %d: warm ranks will wait for it",
                              attempt.layout.master_port)
 
-    def _cold_reason(self, standby: Standby, spec: WorkerSpec) -> str | None:
-        """Why the standby cannot take this worker (a cold start follows), or None."""
-        self._last_cold_kind = "other"
+    def _cold_reason(self, standby: Standby, spec: WorkerSpec) -> tuple[str, str] | None:
+        """Why the standby cannot take this worker, as (metric label, log text), or None."""
         if not Standby.accepts(standby.prefix, spec.argv):
-            self.stats.cold_other += 1
-            return "its command cannot run in a standby"
+            return "other", "its command cannot run in a standby"
         changed = env_mismatch(standby.env, spec.env)
         if changed is not None:
-            self.stats.cold_env_changed += 1
-            self._last_cold_kind = "env_changed"
-            return f"environment variable {changed} changed since its standby started"
+            return ("env_changed",
+                    f"environment variable {changed} changed since its standby started")
         failure = standby.preload_failure()
         if failure is not None:
-            self.stats.cold_preload_failed += 1
-            self._last_cold_kind = "preload_failed"
-            return failure
+            return "preload_failed", failure
         return None
 
     def discard_standbys(self) -> None:
