@@ -229,14 +229,17 @@ class Usage:
     children: int
 
     @classmethod
-    def of(cls, pid: int) -> Usage:
+    def of(cls, pid: int, workers: set[int]) -> Usage:
+        """``workers``: the current group's pids (a warm worker keeps its standby's
+        command line)."""
         proc = psutil.Process(pid)
         return cls(
             fds=len(os.listdir(f"/proc/{pid}/fd")),
             threads=len(os.listdir(f"/proc/{pid}/task")),
             rss_mb=proc.memory_info().rss / 1e6,
             # standbys come and go with attempts (one per rank while a restart is possible)
-            children=len([c for c in proc.children() if not is_standby(c)]),
+            children=len([c for c in proc.children()
+                          if c.pid in workers or not is_standby(c)]),
         )
 
 
@@ -630,6 +633,9 @@ class Chaos:
 
     async def wait_group(self, restart: int) -> None:
         await self.board.wait_for(f"group {restart} up", lambda: self.group_up(restart))
+
+    def worker_pids(self) -> set[int]:
+        return {pid for pid, _ in self.board.ready.get(self.board.restart, {}).values()}
 
     def current(self) -> tuple[int, dict[int, tuple[int, int]]]:
         r = self.board.restart
@@ -1028,7 +1034,7 @@ class Chaos:
         if self.log_tmpfs is not None:
             await self.diskfull()
         await self.settle()
-        self.usage_start = Usage.of(self.pid)
+        self.usage_start = Usage.of(self.pid, self.worker_pids())
         log(f"baseline: {self.usage_start}")
 
     async def settle(self) -> None:
@@ -1136,7 +1142,7 @@ class Chaos:
         start = self.usage_start
         with anyio.move_on_after(10):  # the server closes the harness's connections
             while True:
-                self.usage_end = Usage.of(self.pid)
+                self.usage_end = Usage.of(self.pid, self.worker_pids())
                 if self.usage_end.fds <= start.fds + FD_BOUND:
                     break
                 await anyio.sleep(0.1)  # pacing

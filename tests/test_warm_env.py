@@ -81,10 +81,14 @@ async def test_start_up_code_sees_the_rank_environment_warm_as_cold(tmp_path: Pa
     out = tmp_path / "out"
     out.mkdir()
     logs = tmp_path / "logs"
-    env = start_up_env(tmp_path)
+    gate = tmp_path / "gate"
+    env = {**start_up_env(tmp_path), "PROBE_GATE": str(gate)}
     args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(logs),
             PROBE, str(out)]
     async with supervisor(args, env=env, cwd=tmp_path) as sup:
+        for _ in range(2):
+            await sup.err.expect(r"standby for local rank \d started as pid")
+        gate.touch()  # both standbys started (one at a time): now restart 0 may fail
         assert await sup.wait() == 0
     assert warm_ranks(logs) == [None, [0, 1]]
     for rank in range(2):

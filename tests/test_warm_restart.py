@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
+import sys
 from pathlib import Path
 
+import anyio
 import pytest
 
 from tests.conftest import FAKE_WORKER, TESTS, pid_alive, supervisor, wait_dead
@@ -49,9 +52,12 @@ async def test_warm_worker_sees_what_a_cold_one_sees(tmp_path: Path, form: str) 
         target = ["--run-path", PROBE] if form == "run-path" else [PROBE]
     args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "2", "--log-dir", str(logs),
             "--redirects", "1", *target, str(out)]
-    env = {"PYTHONSAFEPATH": "1"} if form.endswith("safe-path") else {}
+    gate = tmp_path / "gate"
+    env = {"PROBE_GATE": str(gate), **({"PYTHONSAFEPATH": "1"} if form.endswith("safe-path")
+                                       else {})}
     async with supervisor(args, env=env, cwd=tmp_path) as sup:
         standbys = [int((await sup.err.expect(STANDBY_LINE)).group(2)) for _ in range(2)]
+        gate.touch()  # both standbys started (one at a time): now restart 0 may fail
         assert await sup.wait() == 0
     # restart 0 ran cold and failed; restart 1 ran in the standbys and succeeded
     assert warm_ranks(logs) == [None, [0, 1]]
@@ -140,3 +146,58 @@ async def test_no_warm_restart_starts_every_attempt_cold(tmp_path: Path) -> None
         assert await sup.wait() == 0
         assert "standby for local rank" not in sup.err.text()
     assert warm_ranks(logs) == [None, None]
+
+
+# The supervisor with the pause between two standbys' starts raised far beyond any test's
+# run time: a standby then starts only once the one before it has reported (or the plan
+# is halted), whatever the machine's load, so the order below is the mechanism's own.
+PATIENT = [sys.executable, "-c",
+           "import runpy, sys, supervisor.workers.group as g; g.STAGGER = 600.0; "
+           "sys.argv[0] = 'supervisor'; runpy.run_module('supervisor', run_name='__main__')",
+           "run"]
+# a preload that takes as long as the test wants: until the file PRELOAD_GATE exists
+GATED_PRELOAD = """\
+import os, time
+while not os.path.exists(os.environ["PRELOAD_GATE"]):
+    time.sleep(0.01)
+"""
+
+
+async def test_standbys_start_one_at_a_time(tmp_path: Path) -> None:
+    """Each standby starts once the one before it has reported: eight started at once
+    took the CPU from the loop (EEVDF runs a new process before it is behind the queue,
+    whatever its priority)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    gate = tmp_path / "gate"
+    args = [*BASE, "--nproc-per-node", "3", "--max-restarts", "1", "--log-dir",
+            str(tmp_path / "logs"), "--preload", "colorsys", "--preload-after", "0",
+            PROBE, str(out)]
+    async with supervisor(args, env={"PROBE_GATE": str(gate)}, launcher=PATIENT) as sup:
+        for _ in range(3):
+            await sup.err.expect(r"standby for local rank \d preloaded colorsys")
+        gate.touch()
+        assert await sup.wait() == 0
+    said = [m.group(1, 2) for m in re.finditer(
+        r"standby for local rank (\d) (started|preloaded)", sup.err.text())]
+    ranks = [rank for rank, _ in said[::2]]
+    assert sorted(ranks) == ["0", "1", "2"]
+    assert said == [x for r in ranks for x in ((r, "started"), (r, "preloaded"))]
+
+
+async def test_a_stop_does_not_wait_for_the_standbys_yet_to_start(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "gated_preload.py").write_text(GATED_PRELOAD)
+    env = {"PROBE_GATE": str(tmp_path / "never"), "PRELOAD_GATE": str(tmp_path / "never"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir",
+            str(tmp_path / "logs"), "--preload", "gated_preload", "--preload-after", "0",
+            PROBE, str(out)]
+    async with supervisor(args, env=env, cwd=tmp_path, launcher=PATIENT) as sup:
+        first = int((await sup.err.expect(STANDBY_LINE)).group(2))  # importing, forever
+        sup.signal(signal.SIGTERM)
+        with anyio.fail_after(30):  # the pause before the next standby is 600 s
+            assert await sup.wait() == 128 + signal.SIGTERM
+    assert [int(m.group(2)) for m in re.finditer(STANDBY_LINE, sup.err.text())] == [first]
+    await wait_dead([first], timeout=5.0)

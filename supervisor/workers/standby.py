@@ -109,12 +109,15 @@ def _standby():
                     return
         finally:
             os.environ.__class__ = base
+    handed, importer = [], []
     if preload or auto:
         done.acquire()
         def _preload():
             try:
                 try:  # never compete with the workers: run only when a CPU is idle
-                    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                    if not handed:
+                        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+                        importer.append(_thread.get_native_id())
                 except (AttributeError, OSError):
                     pass
                 for name in preload:
@@ -142,6 +145,11 @@ def _standby():
                     pass
                 done.release()
         _thread.start_new_thread(_preload, ())
+    else:  # started (the supervisor starts standbys one at a time); it may have
+        try:  # handed us a worker and closed its end already
+            sock.send(b"R")
+        except OSError:
+            pass
     data, fds, need = b"", [], None
     while need is None or len(data) < need:
         chunk, anc, _flags, _addr = sock.recvmsg(
@@ -158,6 +166,12 @@ def _standby():
     go = marshal.loads(data[8:need])
     del data, chunk, anc
     if preload or auto:
+        handed.append(True)
+        for tid in importer:  # still importing: at our priority now (where we may)
+            try:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            except OSError:
+                pass
         done.acquire()  # handed over while still importing: finish first (ahead of cold)
     sock.detach()
     null = os.open(os.devnull, os.O_RDWR)
