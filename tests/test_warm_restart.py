@@ -3,6 +3,7 @@ be indistinguishable, from inside, from the cold start of the first attempt."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -201,3 +202,41 @@ async def test_a_stop_does_not_wait_for_the_standbys_yet_to_start(tmp_path: Path
             assert await sup.wait() == 128 + signal.SIGTERM
     assert [int(m.group(2)) for m in re.finditer(STANDBY_LINE, sup.err.text())] == [first]
     await wait_dead([first], timeout=5.0)
+
+
+def _policies(pid: int) -> set[int]:
+    policies = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):  # the thread ended meanwhile
+            policies.add(os.sched_getscheduler(int(tid)))
+    return policies
+
+
+async def test_a_worker_handed_over_mid_import_finishes_it_at_normal_priority(
+        tmp_path: Path) -> None:
+    """A crash while the standby still imports: the worker waits for the import (it is
+    ahead of a cold start), which must then not run at idle priority any more."""
+    from supervisor.workers.standby import _can_raise_priority
+
+    if not _can_raise_priority():
+        pytest.skip("standbys wait at SCHED_IDLE only with CAP_SYS_NICE (run as root)")
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "gated_preload.py").write_text(GATED_PRELOAD)
+    crash, imported = tmp_path / "crash", tmp_path / "imported"
+    env = {"PROBE_GATE": str(crash), "PRELOAD_GATE": str(imported),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    logs = tmp_path / "logs"
+    args = [*BASE, "--max-restarts", "1", "--log-dir", str(logs), "--preload",
+            "gated_preload", "--preload-after", "0", PROBE, str(out)]
+    async with supervisor(args, env=env, cwd=tmp_path) as sup:
+        standby = int((await sup.err.expect(STANDBY_LINE)).group(2))
+        assert _policies(standby) == {os.SCHED_IDLE}  # waiting, and importing, at idle
+        crash.touch()  # restart 0 exits 1: its worker goes to the standby mid-import
+        await sup.err.expect(rf"local rank 0 started as pid {standby}\b")
+        with anyio.fail_after(10):
+            while _policies(standby) != {os.SCHED_OTHER}:
+                await anyio.sleep(0.01)  # pacing: the standby raises its import thread
+        imported.touch()
+        assert await sup.wait() == 0
+    assert warm_ranks(logs) == [None, [0]]
