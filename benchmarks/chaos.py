@@ -25,7 +25,9 @@ every 0.2 s. For SECONDS the harness injects, at random:
 - ``etcd-quorum`` (only with ``--etcd``: the supervisor runs the etcd backend against a
   3-member cluster the harness starts; two members are SIGSTOPped, so no quorum, for
   longer than the lease TTL, then continued: the healthy group must ride the outage out,
-  with no worker exit and no restart, and answer a forwarded SIGUSR1 afterwards);
+  with no worker exit, no restart and no re-formed group, and answer a forwarded SIGUSR1
+  afterwards). ``frozen`` is left out with ``--etcd``: a supervisor frozen past its lease
+  TTL is a node that left, and the job rightly re-forms;
 - in the background, all the time: ``fifo`` (garbage, oversized lines and forged requests
   naming foreign processes, the supervisor, its guardian and pid 1 written to the deadline
   FIFO), ``http`` (probe storms: every path and method, unknown paths, raw garbage) and
@@ -93,6 +95,10 @@ LOOP_DEADLINE = 4.0  # every worker renews a deadline this long every 0.2 s
 FREEZE = LOOP_DEADLINE + 1.0  # the ``frozen`` fault stops the supervisor this long
 ETCD_TTL = 2  # lease TTL of the supervisor under ``--etcd``
 ETCD_OUTAGE = 2 * ETCD_TTL + 1.0  # the ``etcd-quorum`` fault lasts this long
+# No ``frozen`` fault under ``--etcd``: a supervisor stopped for FREEZE s (> ETCD_TTL) is, by
+# design, a node that left the job (its lease expires while etcd is reachable, and the job
+# re-forms: here, with it again), not a fault to ride out. FREEZE must exceed the workers'
+# deadline, and a TTL above it would make each quorum-loss fault last 2 * TTL.
 LOG_TMPFS_SIZE = "256m"  # the log directory's tmpfs with --disk-full
 LOST_MARKER = b"bytes of output lost here: "
 HANG_DEADLINE = 0.3
@@ -317,6 +323,20 @@ class Board:
             self.flooded.add(parts[1])
         self.changed()
 
+    def event(self, event: dict[str, Any]) -> None:
+        """One of the supervisor's events. A group started without a failure restart (a
+        membership round keeps TORCHELASTIC_RESTART_COUNT) replaces the workers known
+        under that restart count: forget those whose rank now has another pid."""
+        self.events.append(event)
+        if event["event"] == "group_started":
+            known = self.ready.get(int(event["restart_count"]), {})
+            for rank, pid in event.get("pids", {}).items():  # JSON: the ranks are strings
+                if int(rank) in known and known[int(rank)][0] != pid:
+                    del known[int(rank)]
+
+    def groups_started(self) -> int:
+        return len(self.events_named("group_started"))
+
     def events_named(self, name: str) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == name]
 
@@ -366,7 +386,7 @@ class EventTail:
         *lines, self._buf = self._buf.split(b"\n")
         for line in lines:
             if line.strip():
-                self.board.events.append(json.loads(line))
+                self.board.event(json.loads(line))
         self.board.changed()
 
     async def run(self) -> None:
@@ -747,6 +767,7 @@ class Chaos:
 
     async def freeze(self, fault: Fault, restart: int) -> None:
         assert self.proc is not None
+        groups = self.board.groups_started()
         self.freeze_epoch += 1  # odd while frozen
         self.proc.send_signal(signal.SIGSTOP)
         try:
@@ -760,7 +781,7 @@ class Chaos:
             fault.problems.append(f"the group did not answer SIGUSR1 after a {FREEZE:g} s "
                                   "freeze (killed as hung?)")
             return
-        if self.board.restart != restart:
+        if self.board.restart != restart or self.board.groups_started() != groups:
             fault.problems.append(f"the group restarted after a {FREEZE:g} s freeze")
             return
         fault.detail["confirmed"] = time.monotonic()  # the same clock as the events' "mono"
@@ -777,6 +798,7 @@ class Chaos:
                       {"restart": restart, "members": [m.name for m in stopped]})
         self.faults.append(fault)
         exits = len(self.board.events_named("worker_exited"))
+        groups = self.board.groups_started()
         for member in stopped:
             assert member.process is not None
             member.process.send_signal(signal.SIGSTOP)
@@ -794,7 +816,7 @@ class Chaos:
         except TimeoutError:
             fault.problems.append("the group did not answer SIGUSR1 after the etcd outage")
             return
-        if self.board.restart != restart:
+        if self.board.restart != restart or self.board.groups_started() != groups:
             fault.problems.append(f"the group restarted after a {ETCD_OUTAGE:g} s quorum loss")
         if len(self.board.events_named("worker_exited")) != exits:
             fault.problems.append("a worker exited during the etcd outage")
@@ -1005,6 +1027,7 @@ class Chaos:
             kinds["diskfull"] = 1
         if self.etcd is not None:
             kinds["etcd-quorum"] = 1
+            del kinds["frozen"]  # see the note at ETCD_OUTAGE
         if self.args.kinds:
             wanted = set(self.args.kinds.split(","))
             kinds = {k: w for k, w in kinds.items() if k in wanted} or kinds
@@ -1030,7 +1053,8 @@ class Chaos:
         await self.flood()
         await self.sighup()
         await self.sigusr1()
-        await self.frozen()
+        if self.etcd is None:  # see the note at ETCD_OUTAGE
+            await self.frozen()
         if self.log_tmpfs is not None:
             await self.diskfull()
         await self.settle()
