@@ -103,6 +103,7 @@ class StandbyPlan:
 
     wanted: list[_Wanted]
     done: anyio.Event
+    started: bool = False
     halted: bool = False
     pause: anyio.CancelScope | None = None
 
@@ -157,7 +158,8 @@ class WorkerGroup:
         self._pending_cold: dict[int, str] = {}  # the same, learned before the launch
         self._python = self.environ.get("PYTHON_EXEC", sys.executable)
         self.dir_base = _next_attempt_index(log_root / run_id)
-        self._plan: StandbyPlan | None = None  # the standbys being started, if any
+        # standbys being started (a retry after a tainted auto preload adds one meanwhile)
+        self._plans: list[StandbyPlan] = []
         # whether rank 0's store listened on MASTER_PORT in an earlier attempt (learned)
         self.store_seen = False
 
@@ -278,7 +280,7 @@ class WorkerGroup:
                                   frozenset(self.auto_excluded)))
         plan = StandbyPlan(wanted, anyio.Event())
         if wanted:
-            self._plan = plan
+            self._plans.append(plan)
         else:
             plan.done.set()
         return plan
@@ -295,6 +297,7 @@ class WorkerGroup:
         do not. A stop halts the plan and waits only for the spawn in flight."""
         if not plan.wanted:
             return
+        plan.started = True
         async with anyio.create_task_group() as tg:
             try:
                 for want in plan.wanted:
@@ -316,6 +319,8 @@ class WorkerGroup:
                     plan.pause = None
             finally:
                 plan.done.set()
+                if plan in self._plans:
+                    self._plans.remove(plan)
 
     async def _watch_report(self, standby: Standby, reported: anyio.Event) -> None:
         """Hear the standby's report the moment it comes: started (and preloaded), or
@@ -394,9 +399,14 @@ class WorkerGroup:
 
     async def _standbys_in(self) -> None:
         """Start no further standby; wait for the spawn in flight."""
-        if self._plan is not None:
-            self._plan.halt()
-            await self._plan.done.wait()
+        plans = list(self._plans)
+        for plan in plans:
+            plan.halt()
+        for plan in plans:
+            if plan.started:
+                await plan.done.wait()
+            elif plan in self._plans:  # halted before it began: it will start nothing
+                self._plans.remove(plan)
 
     def _warm_start(self, spec: WorkerSpec) -> Worker | None:
         """Start the worker in its rank's standby; None if there is none or it cannot."""
