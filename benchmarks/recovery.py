@@ -11,7 +11,8 @@ records; the phases of that time come from the same records (new interpreter run
 ``import torch``, ``init_process_group``, DDP and the first step). Cells, in one run:
 
 - ours cold (``--no-warm-restart``), ours warm, ours warm with
-  ``--preload torch,torch._dynamo``;
+  ``--preload torch,torch._dynamo``, ours warm with ``--preload auto`` (its crashes come
+  10 s into each attempt: auto's standbys start 5.5 s after a launch);
 - torchrun ``--standalone`` and torchrun static (``--rdzv-backend static``), same job.
 
 torchrun's restarts of this job often fail (the restarted ranks read the previous
@@ -55,6 +56,7 @@ class Cell:
     name: str
     kind: str  # ours | torchrun
     flags: tuple[str, ...] = ()
+    crash_after: float | None = None  # s of training before each crash, if not --crash-after
     recoveries: list[float] = field(default_factory=list)
     phases: list[dict[str, float]] = field(default_factory=list)
     runs: int = 0
@@ -96,7 +98,9 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
     out = root / "out"
     out.mkdir()
     argv = [*command(cell, ranks, crashes, root / "logs"), str(JOB), str(out),
-            "--crashes", str(crashes), *CRASH_AFTER, *(["--kill"] if kill else [])]
+            "--crashes", str(crashes),
+            *(["--crash-after", str(cell.crash_after)] if cell.crash_after else CRASH_AFTER),
+            *(["--kill"] if kill else [])]
     env = launcher_env()
     with open(root / "err", "wb") as err:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -194,6 +198,9 @@ def cells() -> list[Cell]:
         Cell("ours cold", "ours", ("--no-warm-restart",)),
         Cell("ours warm", "ours"),
         Cell("ours warm + preload", "ours", ("--preload", "torch,torch._dynamo")),
+        # auto's standbys start 5.5 s after a launch (a warm worker records its imports
+        # 1 and 5 s after it started), then import at idle priority: crashes come later
+        Cell("ours warm + preload auto", "ours", ("--preload", "auto"), crash_after=10.0),
         Cell("torchrun standalone", "torchrun"),
         Cell("torchrun static", "torchrun"),
     ]
@@ -237,9 +244,10 @@ def main() -> int:
     ratios(results)
     mem = [r for r in results if r.get("standby_rss_mib")]
     if mem:
-        print("\nPreloaded standby (torch, torch._dynamo), median per standby: "
-              + "; ".join(f"{r['ranks']} ranks: RSS {r['standby_rss_mib']:.0f} MiB, "
-                          f"USS {r['standby_uss_mib']:.0f} MiB" for r in mem))
+        print("\nPreloaded standby, median per standby: "
+              + "; ".join(f"{r['launcher']}, {r['ranks']} ranks, {r['crash']}: RSS "
+                          f"{r['standby_rss_mib']:.0f} MiB, USS {r['standby_uss_mib']:.0f} MiB"
+                          for r in mem))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0

@@ -56,7 +56,7 @@ CpusFor = Callable[[int], tuple[int, ...] | None]
 Post = Callable[[sm.Event], None]
 TAINT_RETRIES = 3  # new standbys per rank after auto preloads that read a per-attempt variable
 STORE_WAIT = 5.0  # seconds a warm rank waits for rank 0's store before it dials anyway
-STAGGER = 0.2  # s at most between two standbys' starts (see ``start_standbys``)
+STAGGER = 0.03  # s at most between two standbys' starts (see ``start_standbys``)
 
 
 class AttemptPrepError(OSError):
