@@ -17,7 +17,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +26,7 @@ from tests import deps
 
 HEALTH_TIMEOUT = 15.0
 STOP_GRACE = 5.0
+PORT_ATTEMPTS = 3  # cluster starts before a port taken meanwhile fails the test
 
 
 def etcd_binary() -> str:
@@ -174,30 +175,54 @@ class EtcdFactory:
     def __init__(self, base_dir: Path) -> None:
         self.base_dir = base_dir
         self.members: list[EtcdMember] = []
+        self._made = 0  # members ever made: each gets a data dir of its own
 
     def _member(self, name: str, tls: TlsMaterial | None = None) -> EtcdMember:
-        data_dir = self.base_dir / f"etcd-{len(self.members)}-{name}"
+        data_dir = self.base_dir / f"etcd-{self._made}-{name}"
+        self._made += 1
         member = EtcdMember(name, data_dir, free_port(), free_port(), tls=tls)
         self.members.append(member)
         return member
 
     def single(self, tls: TlsMaterial | None = None) -> EtcdMember:
         """One healthy member."""
-        member = self._member("solo", tls)
-        member.start()
-        member.wait_healthy()
-        return member
+        return self._healthy(lambda: [self._member("solo", tls)])[0]
 
     def cluster(self, size: int = 3) -> list[EtcdMember]:
         """``size`` members forming one cluster, all healthy."""
-        members = [self._member(f"m{i}") for i in range(size)]
-        spec = ",".join(f"{m.name}={m.peer_url}" for m in members)
-        for member in members:
-            member.cluster, member.token = spec, f"cluster-{members[0].peer_port}"
-            member.start()
-        for member in members:
-            member.wait_healthy()
-        return members
+
+        def make() -> list[EtcdMember]:
+            members = [self._member(f"m{i}") for i in range(size)]
+            spec = ",".join(f"{m.name}={m.peer_url}" for m in members)
+            for member in members:
+                member.cluster, member.token = spec, f"cluster-{members[0].peer_port}"
+            return members
+
+        return self._healthy(make)
+
+    def _healthy(self, make: Callable[[], list[EtcdMember]]) -> list[EtcdMember]:
+        """Start the members ``make`` returns; wait until all are healthy.
+
+        ``free_port`` picks ports etcd binds only later; meanwhile one may be taken (an
+        outgoing connection gets it as its source port, e.g. another member's dial), and
+        that member exits "address already in use". Then all of them start again, on new
+        ports and data dirs."""
+        for attempt in range(PORT_ATTEMPTS):
+            members = make()
+            for member in members:
+                member.start()
+            try:
+                for member in members:
+                    member.wait_healthy()
+            except RuntimeError as exc:
+                if "address already in use" not in str(exc) or attempt == PORT_ATTEMPTS - 1:
+                    raise
+                for member in members:
+                    member.kill()
+                    self.members.remove(member)
+            else:
+                return members
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         for member in self.members:
