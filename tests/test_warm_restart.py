@@ -156,12 +156,20 @@ PATIENT = [sys.executable, "-c",
            "import runpy, sys, supervisor.workers.group as g; g.STAGGER = 600.0; "
            "sys.argv[0] = 'supervisor'; runpy.run_module('supervisor', run_name='__main__')",
            "run"]
-# a preload that takes as long as the test wants: until the file PRELOAD_GATE exists
+# A preload that takes as long as the test wants. PRELOAD_GATE is a FIFO: opening it to
+# read returns once the test opens it to write. With PRELOAD_STARTED (a FIFO too) it first
+# tells the test that it is importing.
 GATED_PRELOAD = """\
-import os, time
-while not os.path.exists(os.environ["PRELOAD_GATE"]):
-    time.sleep(0.01)
+import os
+if os.environ.get("PRELOAD_STARTED"):
+    open(os.environ["PRELOAD_STARTED"], "w").close()
+open(os.environ["PRELOAD_GATE"]).close()
 """
+
+
+def _open_gate(fifo: Path) -> None:
+    """Release the preload blocked opening ``fifo`` (it is there: ENXIO otherwise)."""
+    os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
 
 
 async def test_standbys_start_one_at_a_time(tmp_path: Path) -> None:
@@ -190,7 +198,8 @@ async def test_a_stop_does_not_wait_for_the_standbys_yet_to_start(tmp_path: Path
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "gated_preload.py").write_text(GATED_PRELOAD)
-    env = {"PROBE_GATE": str(tmp_path / "never"), "PRELOAD_GATE": str(tmp_path / "never"),
+    os.mkfifo(tmp_path / "gate")  # opened by nobody: the preload never ends
+    env = {"PROBE_GATE": str(tmp_path / "never"), "PRELOAD_GATE": str(tmp_path / "gate"),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir",
             str(tmp_path / "logs"), "--preload", "gated_preload", "--preload-after", "0",
@@ -223,20 +232,26 @@ async def test_a_worker_handed_over_mid_import_finishes_it_at_normal_priority(
     out = tmp_path / "out"
     out.mkdir()
     (tmp_path / "gated_preload.py").write_text(GATED_PRELOAD)
-    crash, imported = tmp_path / "crash", tmp_path / "imported"
-    env = {"PROBE_GATE": str(crash), "PRELOAD_GATE": str(imported),
+    crash, importing, imported = tmp_path / "crash", tmp_path / "importing", tmp_path / "gate"
+    os.mkfifo(importing)
+    os.mkfifo(imported)
+    env = {"PROBE_GATE": str(crash), "PRELOAD_STARTED": str(importing),
+           "PRELOAD_GATE": str(imported),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     logs = tmp_path / "logs"
     args = [*BASE, "--max-restarts", "1", "--log-dir", str(logs), "--preload",
             "gated_preload", "--preload-after", "0", PROBE, str(out)]
     async with supervisor(args, env=env, cwd=tmp_path) as sup:
         standby = int((await sup.err.expect(STANDBY_LINE)).group(2))
+        with anyio.fail_after(30):  # until its import thread is in the preload
+            await anyio.to_thread.run_sync(lambda: open(importing).close(),
+                                           abandon_on_cancel=True)
+        assert len(os.listdir(f"/proc/{standby}/task")) == 2
         assert _policies(standby) == {os.SCHED_IDLE}  # waiting, and importing, at idle
         crash.touch()  # restart 0 exits 1: its worker goes to the standby mid-import
         await sup.err.expect(rf"local rank 0 started as pid {standby}\b")
-        with anyio.fail_after(10):
-            while _policies(standby) != {os.SCHED_OTHER}:
-                await anyio.sleep(0.01)  # pacing: the standby raises its import thread
-        imported.touch()
+        # set by the hand-off itself, before that line
+        assert _policies(standby) == {os.SCHED_OTHER}
+        _open_gate(imported)
         assert await sup.wait() == 0
     assert warm_ranks(logs) == [None, [0]]

@@ -109,15 +109,13 @@ def _standby():
                     return
         finally:
             os.environ.__class__ = base
-    handed, importer = [], []
     if preload or auto:
         done.acquire()
         def _preload():
             try:
                 try:  # never compete with the workers: run only when a CPU is idle
-                    if not handed:
+                    if os.sched_getscheduler(0) != os.SCHED_IDLE:  # not set (inherited) by us
                         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-                        importer.append(_thread.get_native_id())
                 except (AttributeError, OSError):
                     pass
                 for name in preload:
@@ -166,12 +164,6 @@ def _standby():
     go = marshal.loads(data[8:need])
     del data, chunk, anc
     if preload or auto:
-        handed.append(True)
-        for tid in importer:  # still importing: at our priority now (where we may)
-            try:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            except OSError:
-                pass
         done.acquire()  # handed over while still importing: finish first (ahead of cold)
     sock.detach()
     null = os.open(os.devnull, os.O_RDWR)
@@ -411,7 +403,7 @@ class Standby:
                            self.local_rank, self.process.status)
             self.discard()
             return None
-        if self.idle and not _set_policy(self.pid, os.SCHED_OTHER):
+        if self.idle and not _set_policy(self.pid, os.SCHED_OTHER, every_thread=True):
             logger.warning("standby for local rank %d: cannot restore its CPU priority",
                            self.local_rank)
             self.discard()
@@ -498,11 +490,21 @@ def spawn_standby(
     return standby
 
 
-def _set_policy(pid: int, policy: int) -> bool:
+def _set_policy(pid: int, policy: int, *, every_thread: bool = False) -> bool:
+    """Set ``pid``'s scheduling policy (one thread's: the main one); True if it was set.
+
+    ``every_thread``: its other threads too, as far as they let us (at the hand-off, an
+    import thread still running finishes at the worker's priority, not at idle)."""
     try:
         os.sched_setscheduler(pid, policy, os.sched_param(0))
     except OSError:
         return False
+    if every_thread:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                if int(tid) != pid:
+                    with contextlib.suppress(OSError):  # it ended meanwhile
+                        os.sched_setscheduler(int(tid), policy, os.sched_param(0))
     return True
 
 
