@@ -34,6 +34,8 @@ from typing import Any, Literal
 import aiohttp
 import anyio
 
+from supervisor.rendezvous.decode import key_text
+
 logger = logging.getLogger(__name__)
 
 JsonDict = dict[str, Any]
@@ -97,14 +99,18 @@ class KeyValue:
         return self.value.decode()
 
     @classmethod
-    def from_json(cls, data: JsonDict) -> KeyValue:
+    def from_json(cls, data: object) -> KeyValue:
+        """One key of the gateway's JSON; ``EtcdError`` if it is not one (a key that is not
+        UTF-8 is kept under a name that matches none of ours: see ``decode.key_text``)."""
+        if not isinstance(data, dict):
+            raise EtcdError("etcd answered a key-value that is not an object")
         return cls(
-            key=_unb64(data.get("key", "")).decode(),
+            key=key_text(_unb64(data.get("key", ""))),
             value=_unb64(data.get("value", "")),
-            create_revision=int(data.get("create_revision", 0)),
-            mod_revision=int(data.get("mod_revision", 0)),
-            version=int(data.get("version", 0)),
-            lease=int(data.get("lease", 0)),
+            create_revision=_int64(data, "create_revision"),
+            mod_revision=_int64(data, "mod_revision"),
+            version=_int64(data, "version"),
+            lease=_int64(data, "lease"),
         )
 
 
@@ -172,8 +178,36 @@ def _b64(text: str | bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text)
+def _unb64(text: object) -> bytes:
+    if not isinstance(text, str):
+        raise EtcdError("etcd answered a key or value that is not base64 text")
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:  # binascii.Error
+        raise EtcdError("etcd answered a key or value that is not base64") from None
+
+
+_INT64 = 1 << 63
+
+
+def _objects(items: object) -> list[JsonDict]:
+    """A list of JSON objects from the gateway, or ``EtcdError``."""
+    if not isinstance(items, list | tuple) or not all(isinstance(i, dict) for i in items):
+        raise EtcdError("etcd answered a list of key-values that is not one")
+    return list(items)
+
+
+def _int64(data: JsonDict, name: str) -> int:
+    """An int64 field of the gateway's JSON (a string, or absent for 0)."""
+    raw = data.get(name, 0)
+    try:
+        value = (int(raw) if isinstance(raw, int) and not isinstance(raw, bool)
+                 else int(raw) if isinstance(raw, str) and raw.isascii() else None)
+    except ValueError:
+        value = None
+    if value is None or not -_INT64 <= value < _INT64:
+        raise EtcdError(f"etcd answered a key-value whose {name} is not an int64")
+    return value
 
 
 def prefix_end(prefix: str) -> str:
@@ -429,7 +463,7 @@ class EtcdClient:
                     ) -> RangeResult:
         """The key (or every key under the prefix) and the store revision read."""
         data = await self.call("/v3/kv/range", _key_range(key, prefix), retry_window=retry_window)
-        kvs = tuple(KeyValue.from_json(kv) for kv in data.get("kvs", ()))
+        kvs = tuple(KeyValue.from_json(kv) for kv in _objects(data.get("kvs", ())))
         return RangeResult(kvs, int(data["header"]["revision"]))
 
     async def count(self, key: str, *, prefix: bool = False) -> int:
@@ -596,8 +630,8 @@ class Watch:
             self._raise_canceled(result)
         return [
             WatchEvent("DELETE" if ev.get("type") == "DELETE" else "PUT",
-                       KeyValue.from_json(ev["kv"]))
-            for ev in result.get("events", ())
+                       KeyValue.from_json(ev.get("kv")))
+            for ev in _objects(result.get("events", ()))
         ]
 
     def _raise_canceled(self, result: JsonDict) -> None:

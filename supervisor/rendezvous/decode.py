@@ -1,0 +1,301 @@
+"""Every value the supervisor reads from etcd, validated in one place.
+
+etcd is shared state that every node of the job can write (and, on an open c10d host,
+anyone who reaches it): nothing read from it is trusted. Each key the supervisor reads has
+a row in ``SCHEMAS``: the msgspec ``Struct`` its JSON value must decode to (types, bounds,
+UTF-8, printable text), the largest value accepted, and what a bad value means:
+
+- ``FAIL``: the job cannot go on safely on a value it cannot read (``ctl/round``, a
+  round's result, its master, the restart counter). ``decode`` raises ``BadValue``, a
+  ``RendezvousError`` whose one line names the key; the node fails the job (and closes it
+  for the others, which then stop with the same reason).
+- ``IGNORE``: the value belongs to one node and the rest of the job is safe without it (a
+  join key, a status summary). ``decode`` returns None and the key is counted in
+  ``IGNORED`` and logged once.
+- ``CLOSED``: ``ctl/closed`` exists, so the job is over whatever it says (no round can
+  be opened past it): a bad value reads as "closed, failed" with a reason naming the key.
+
+To read a new key: define its ``Struct`` (field types with ``Meta`` bounds; a
+``__post_init__`` for cross-field rules), add a ``Schema`` row, and call
+``decode(KIND, key, raw)``; ``tests/test_decode_fuzz.py`` fuzzes every row.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+import msgspec
+
+from supervisor.rendezvous.base import RendezvousError
+
+logger = logging.getLogger(__name__)
+
+MAX_TEXT = 4096  # characters of a reason or a failure message
+MAX_NODES = 100_000  # members of one round
+MAX_LOCAL_WORLD = 1 << 16
+MAX_COUNT = 1 << 53  # a counter (restarts, rounds): exact in every JSON reader
+
+# Printable text: no control characters (C0, DEL, C1) and no bidi overrides, which could
+# rewrite a terminal or a log line when shown.
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT)]
+NodeId = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[^/]+$")]
+Host = Annotated[str, msgspec.Meta(min_length=1, max_length=253, pattern=r"^[^/\s\\]+$")]
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+LocalWorld = Annotated[int, msgspec.Meta(ge=1, le=MAX_LOCAL_WORLD)]
+
+
+def printable(text: str) -> bool:
+    """Whether ``text`` holds no control character or bidi override."""
+    return _UNPRINTABLE.search(text) is None
+
+
+def _require_printable(*texts: str) -> None:
+    for text in texts:
+        if not printable(text):
+            raise ValueError("text holds control characters")
+
+
+class Round(msgspec.Struct, frozen=True):
+    """``ctl/round``: the current round and why it was opened."""
+
+    round: Count
+    reason: Text = ""
+    node: Text = ""
+
+    def __post_init__(self) -> None:
+        _require_printable(self.reason, self.node)
+
+
+class Result(msgspec.Struct, frozen=True):
+    """``ctl/result/N``: the members of round N in group-rank order, their local world
+    sizes (one number when all are equal)."""
+
+    nodes: Annotated[list[NodeId], msgspec.Meta(min_length=1, max_length=MAX_NODES)]
+    sizes: LocalWorld | list[LocalWorld]
+
+    def __post_init__(self) -> None:
+        _require_printable(*self.nodes)
+        if isinstance(self.sizes, list) and len(self.sizes) != len(self.nodes):
+            raise ValueError("sizes and nodes differ in length")
+        if len(set(self.nodes)) != len(self.nodes):
+            raise ValueError("a node is listed twice")
+
+    def size_list(self) -> list[int]:
+        return self.sizes if isinstance(self.sizes, list) else [self.sizes] * len(self.nodes)
+
+
+class Master(msgspec.Struct, frozen=True):
+    """``ctl/master/N``: where round N's rank-0 worker serves the store."""
+
+    addr: Host
+    port: Port
+
+    def __post_init__(self) -> None:
+        _require_printable(self.addr)
+
+
+class Restarts(msgspec.Struct, frozen=True):
+    """``ctl/restarts``: the job-wide failure restart counter."""
+
+    count: Count
+    last: Text = ""
+    node: Text = ""
+
+
+class Closed(msgspec.Struct, frozen=True):
+    """``ctl/closed``: the job is over for everyone, and why."""
+
+    ok: bool
+    reason: Text
+    node: Text = ""
+
+    def __post_init__(self) -> None:
+        _require_printable(self.reason, self.node)
+
+
+class Join(msgspec.Struct, frozen=True):
+    """``nodes/N/join/<node>``: a node joined round N."""
+
+    node: NodeId
+    addr: Annotated[str, msgspec.Meta(max_length=253)]
+    local_world_size: LocalWorld
+
+    def __post_init__(self) -> None:
+        _require_printable(self.node, self.addr)
+
+
+_Number = Annotated[float, msgspec.Meta(ge=0, le=1e12)]  # seconds or wall-clock epoch
+_Short = Annotated[str, msgspec.Meta(max_length=256)]
+_Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_COUNT)]
+
+
+class Goodput(msgspec.Struct, frozen=True):
+    """A summary's goodput: closed totals and the open segment (see ``summary``)."""
+
+    startup: _Number
+    productive: _Number
+    idle: _Number
+    since: _Number
+    started: _Number
+    lost: Annotated[dict[_Short, _Number], msgspec.Meta(max_length=32)] = {}
+    failures: _Rank = 0
+    segment: _Short = ""
+    cause: _Short | None = None
+    ended: _Number | None = None
+
+
+class Summary(msgspec.Struct, frozen=True):
+    """``/elastic-supervisor-status/<run>/<node>``: one node's row of the job-wide view.
+    Cells are bounded here; the status view strips control characters when it prints."""
+
+    node_id: _Short
+    node_rank: _Rank | None = None
+    host: _Short | None = None
+    state: _Short | None = None
+    attempt: _Rank | None = None
+    restarts: _Rank | None = None
+    max_restarts: _Rank | None = None
+    world_size: _Rank | None = None
+    health_url: Annotated[str, msgspec.Meta(max_length=512)] | None = None
+    last_failure: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    goodput: Goodput | None = None
+
+
+class OnBad(enum.Enum):
+    """What a value that does not decode means (see the module docstring)."""
+
+    FAIL = "fail the job"
+    IGNORE = "ignore and count"
+    CLOSED = "job closed, failed"
+
+
+@dataclass(frozen=True)
+class Schema:
+    """How one kind of key is read: its value's type, size bound and bad-value rule."""
+
+    type: type[msgspec.Struct]
+    max_bytes: int
+    on_bad: OnBad
+
+
+# key kind -> schema. Keys read only for their presence or lease (ctl/leader,
+# nodes/N/wait/<node>, nodes/N/done/<node>) have no value to decode.
+SCHEMAS: dict[str, Schema] = {
+    "ctl/round": Schema(Round, 16 << 10, OnBad.FAIL),
+    "ctl/result": Schema(Result, 8 << 20, OnBad.FAIL),
+    "ctl/master": Schema(Master, 1 << 10, OnBad.FAIL),
+    "ctl/restarts": Schema(Restarts, 16 << 10, OnBad.FAIL),
+    "ctl/closed": Schema(Closed, 16 << 10, OnBad.CLOSED),
+    "nodes/join": Schema(Join, 2 << 10, OnBad.IGNORE),
+    "status": Schema(Summary, 8 << 10, OnBad.IGNORE),
+}
+
+IGNORED: Counter[str] = Counter()  # key kind -> bad values ignored (this process)
+_reported: set[tuple[str, int]] = set()  # (key, mod revision) logged already
+_REPORT_LIMIT = 1000
+
+
+class BadValue(RendezvousError):
+    """A value read from etcd that the supervisor cannot use; the message names the key."""
+
+    def __init__(self, key: str, why: str) -> None:
+        super().__init__(f"etcd key {shown(key)} holds a malformed value ({why})")
+        self.key = key
+
+
+S = TypeVar("S", bound=msgspec.Struct)
+
+
+def shown(text: str, limit: int = 200) -> str:
+    """``text`` safe to put in one log line: control characters escaped, bounded."""
+    safe = _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    return safe if len(safe) <= limit else safe[: limit - 3] + "..."
+
+
+def reason(raw: bytes, schema: Schema) -> str | None:
+    """Why ``raw`` is not a value of ``schema`` (None: it is)."""
+    try:
+        _decode(raw, schema)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _decode(raw: bytes, schema: Schema) -> msgspec.Struct:
+    if len(raw) > schema.max_bytes:
+        raise ValueError(f"{len(raw)} bytes, at most {schema.max_bytes}")
+    try:
+        value = msgspec.json.decode(raw, type=schema.type)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(shown(str(exc), 120)) from None
+    _check_floats(value)
+    return value
+
+
+def _check_floats(value: Any) -> None:
+    """msgspec takes no NaN or infinity from JSON, but a huge exponent reads as inf."""
+    for name in value.__struct_fields__:
+        field = getattr(value, name)
+        if isinstance(field, float) and not math.isfinite(field):
+            raise ValueError(f"{name} is not finite")
+        if isinstance(field, msgspec.Struct):
+            _check_floats(field)
+
+
+def decode(kind: str, key: str, raw: bytes, expect: type[S]) -> S | None:
+    """The value of ``key`` (of ``kind``, a row of ``SCHEMAS``), or per the row's rule:
+    raise ``BadValue`` (FAIL), None after counting it (IGNORE), or a failed ``Closed``
+    (CLOSED)."""
+    schema = SCHEMAS[kind]
+    assert schema.type is expect, (kind, expect)
+    try:
+        value = _decode(raw, schema)
+    except ValueError as exc:
+        return _bad(kind, key, schema, str(exc), expect)
+    assert isinstance(value, expect)
+    return value
+
+
+def _bad(kind: str, key: str, schema: Schema, why: str, expect: type[S]) -> S | None:
+    if schema.on_bad is OnBad.FAIL:
+        raise BadValue(key, why)
+    if schema.on_bad is OnBad.CLOSED:
+        closed = Closed(ok=False, reason=str(BadValue(key, why)))
+        assert isinstance(closed, expect)
+        return closed
+    count_ignored(kind, key, why)
+    return None
+
+
+def count_ignored(kind: str, key: str, why: str, revision: int = 0) -> None:
+    """Count one ignored key and log it once (per key and revision, bounded)."""
+    IGNORED[kind] += 1
+    seen = (key, revision)
+    if seen in _reported or len(_reported) >= _REPORT_LIMIT:
+        return
+    _reported.add(seen)
+    logger.warning("ignoring etcd key %s: %s", shown(key), why)
+
+
+def key_text(raw: bytes) -> str:
+    """An etcd key as text. A key that is not UTF-8 is no key the supervisor writes: it
+    keeps a name (invalid bytes as U+FFFD) that matches none of ours and that ``State``
+    skips, so one stray key can neither crash a watch nor stand for a node."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return raw.decode(errors="replace")
+
+
+def node_part_ok(text: str) -> bool:
+    """Whether the ``<node>`` part of a per-node key is a node id the job can use."""
+    return 0 < len(text) <= 256 and printable(text) and "\ufffd" not in text and "/" not in text
