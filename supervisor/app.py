@@ -66,6 +66,7 @@ from supervisor.watchdog.fifo import FifoError, check_fifo_path
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
 from supervisor.workers.output import OutputPlan, OutputSpecError
+from supervisor.workers.spawn import SPAWNER
 from supervisor.workers.topology import cpus_for
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None)
     env = dict(os.environ if environ is None else environ)
     configure_logging(settings.log_level, settings.log_format)
     faulthandler.enable()  # a watchdog SIGABRT then leaves every thread's stack in the log
+    SPAWNER.start()  # every child is forked from it (spawn.Spawner says why)
     try:
         return anyio.run(supervise, settings, env)
     except ConfigError as exc:
@@ -91,6 +93,8 @@ def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None)
         if matched is None or rest is not None:
             raise
         return _config_error(_first_leaf(matched))
+    finally:
+        SPAWNER.stop()  # last: every child of ours is reaped by now
 
 
 def _config_error(exc: BaseException) -> int:

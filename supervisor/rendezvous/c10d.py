@@ -409,9 +409,11 @@ class C10dRendezvous:
         assert self.etcd_binary is not None
         cfg = self.config
         ip = await self._listen_ip()
+        from supervisor.workers.spawn import SPAWNER
+
         server = HostedEtcd(self.etcd_binary, cfg, self.runtime_dir)
         try:
-            server.start(ip)
+            await SPAWNER.spawn(server.start, ip)  # its death signal: spawn.Spawner
         except OSError as exc:
             raise RendezvousError(f"c10d: cannot start {self.etcd_binary}: {exc}") from None
         self.server = server

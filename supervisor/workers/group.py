@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.to_thread
 
 from supervisor.config import Settings
 from supervisor.core import state as sm
@@ -35,7 +34,15 @@ from supervisor.workers.attemptdir import create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.output import OutputPlan
-from supervisor.workers.spawn import DeathSignal, Worker, WorkerSpec, spawn_worker, wait_exit
+from supervisor.workers.spawn import (
+    SPAWNER,
+    DeathSignal,
+    Spawner,
+    Worker,
+    WorkerSpec,
+    spawn_worker,
+    wait_exit,
+)
 from supervisor.workers.standby import (
     PER_ATTEMPT_ENV,
     Standby,
@@ -132,8 +139,10 @@ class WorkerGroup:
         exempt_pids: Iterable[int] = (),
         command: CommandFor | None = None,
         cpus: CpusFor | None = None,
+        spawner: Spawner = SPAWNER,
     ) -> None:
         self.settings = settings
+        self.spawner = spawner  # forks every worker and standby (spawn.Spawner says why)
         self.run_id = run_id
         self.events = events
         self.log_root = log_root
@@ -241,7 +250,7 @@ class WorkerGroup:
         try:
             worker = self._warm_start(spec)
             if worker is None:
-                worker = spawn_worker(spec, self.death)
+                worker = self.spawner.call(spawn_worker, spec, self.death)
                 if self.guardian is not None:
                     self.guardian.watch(worker.pid)
         finally:
@@ -289,7 +298,7 @@ class WorkerGroup:
         """Start the planned standbys one at a time: each once the one before it has
         reported (started, and done preloading) or ``STAGGER`` s after it started.
 
-        Each spawn runs in a worker thread (the loop stays responsive). One at a time
+        Each spawn runs on the spawner thread (the loop stays responsive). One at a time
         because a new process, or thread, is not yet behind the workers in the kernel's
         queue (EEVDF places it as eligible, however low its priority): eight started at
         once on two CPUs took the CPU from our loop for tens of milliseconds per restart
@@ -303,7 +312,7 @@ class WorkerGroup:
                 for want in plan.wanted:
                     if plan.halted:
                         break
-                    standby = await anyio.to_thread.run_sync(self._spawn_standby, want)
+                    standby = await self.spawner.spawn(self._spawn_standby, want)
                     if standby is None:
                         break
                     self.standbys[standby.local_rank] = standby
