@@ -53,6 +53,7 @@ from supervisor.health.looplag import LoopLag
 from supervisor.logsetup import configure_logging
 from supervisor.rendezvous.base import Rendezvous, RendezvousError
 from supervisor.rendezvous.static import StaticRendezvous
+from supervisor.safepaths import open_below, prepare_run_dir
 from supervisor.systemd import (
     NOTIFY_ENV_VARS,
     Notifier,
@@ -247,7 +248,8 @@ async def supervise(
     run_id = resolve_run_id(settings)
     log_root = _log_root(settings)
     event_log = Path(settings.event_log or log_root / run_id / "events.jsonl")
-    check_event_log(event_log, "event_log" if settings.event_log else "log_dir")
+    check_run_dir(log_root, run_id)
+    check_event_log(event_log, "event_log" if settings.event_log else "log_dir", log_root)
     runtime = RuntimeDir.create(environ)  # before the rendezvous: a c10d host's etcd data
     timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
     sock: socket.socket | None = None
@@ -272,7 +274,7 @@ async def supervise(
             sock.close()  # the Python API's caller lives on: leak nothing
         runtime.cleanup()
         raise
-    events = EventLog(event_log, run_id)
+    events = EventLog(event_log, run_id, root=log_root)
     etcd = etcd_rendezvous_of(rendezvous)
     if etcd is not None:  # outages, their end and replaced leases, in the event log
         etcd.on_event = events.emit
@@ -710,12 +712,21 @@ def _log_root(settings: Settings) -> Path:
         raise ConfigError(message + " (set --log-dir or TMPDIR)") from None
 
 
-def check_event_log(path: Path, setting: str) -> None:
-    """Open the event log for append once, now: an unusable path stops the start with one
-    line (later write errors are logged and the job goes on)."""
+def check_run_dir(log_root: Path, run_id: str) -> None:
+    """``LOG_DIR/RUN_ID`` is made (or found) without following a symlink, and must be this
+    user's and not writable by others: a one-line exit 2 otherwise (``safepaths``)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        prepare_run_dir(log_root, run_id)
+    except OSError as exc:
+        raise ConfigError(f"log_dir: unsafe run directory: {_reason(exc)}") from None
+
+
+def check_event_log(path: Path, setting: str, log_root: Path) -> None:
+    """Open the event log for append once, now: an unusable path stops the start with one
+    line (later write errors are logged and the job goes on). Nothing below the log
+    directory is followed through a symlink."""
+    try:
+        fd = open_below(log_root, path, create_dirs=True)
     except OSError as exc:
         raise ConfigError(f"{setting}: cannot open the event log {path}: {_reason(exc)}") from None
     os.close(fd)

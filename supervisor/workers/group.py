@@ -194,7 +194,8 @@ class WorkerGroup:
         )
         run_dir = self.log_root / self.run_id
         try:  # exclusively: a worker cannot plant files for its successor
-            created = create_attempt_dir(run_dir, dir_index, layout.local_world_size)
+            created = create_attempt_dir(run_dir, dir_index, layout.local_world_size,
+                                         root=self.log_root)
         except OSError as exc:
             raise AttemptPrepError(f"cannot prepare {run_dir / f'attempt_{dir_index}'}: "
                                    f"{exc}") from exc
@@ -236,7 +237,7 @@ class WorkerGroup:
                 argv = self.command(local_rank, global_rank, rank_dir)
                 stdout, stderr = self.output.open_rank(
                     attempt.dir_index, rank_dir, local_rank, global_rank,
-                    restart_count=attempt.layout.restart_count,
+                    restart_count=attempt.layout.restart_count, root=self.log_root,
                 )
                 specs.append(WorkerSpec(local_rank, global_rank, argv, env, stdout, stderr,
                                         cpus=self.cpus(local_rank)))
