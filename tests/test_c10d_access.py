@@ -114,6 +114,23 @@ async def test_user_auth_on_top_refuses_a_certificate_without_the_password(
         assert "s3cret" not in nodes[0].err.text()
 
 
+async def test_user_auth_with_certificates_that_carry_a_common_name_is_one_line(
+    tmp_path: Path
+) -> None:
+    etcd_binary()
+    tls = make_tls_material(tmp_path / "tls")  # CN=client: etcd's gateway refuses it
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret\n")
+    conf = f"{_tls_conf(tls)},user=trainer,password_file={secret}"
+    result = await anyio.run_process(
+        [sys.executable, "-m", "supervisor", "run",
+         *_line("j", free_port(), tmp_path / "logs", conf, nnodes="1")], check=False)
+    err = result.stderr.decode()
+    assert result.returncode == 2, err
+    assert "use certificates without a CN" in err.strip().splitlines()[-1]
+    assert "Traceback" not in err and "s3cret" not in err
+
+
 async def test_without_credentials_the_host_warns_once_that_the_rendezvous_is_open(
     tmp_path: Path
 ) -> None:

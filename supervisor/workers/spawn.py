@@ -223,8 +223,10 @@ class Spawner:
     child of ours asks for) when the *thread* that forked it exits, not the process: a
     standby spawned from an anyio worker thread was SIGKILLed once anyio retired that idle
     thread. So children are forked only here, from a thread that lives as long as the
-    supervisor (started with it, stopped at its very end, after every child is reaped), and
-    a spawn never runs on the event loop (``spawn`` waits for it without blocking the loop).
+    supervisor (started with it, stopped at its very end, after every child is reaped).
+    ``spawn`` lets the event loop go on while the spawner forks (standbys, the hosted
+    etcd); ``call`` blocks its caller until the child exists (the launch of a group, which
+    needs its workers at once).
     """
 
     def __init__(self, name: str = "spawner") -> None:
