@@ -15,6 +15,9 @@ UTF-8, printable text), the largest value accepted, and what a bad value means:
 - ``CLOSED``: ``ctl/closed`` exists, so the job is over whatever it says (no round can
   be opened past it): a bad value reads as "closed, failed" with a reason naming the key.
 
+The shape of the gateway's own JSON (base64 keys and values, int64 revisions) is checked
+here too (``gateway_kv``), for ``etcd_client.KeyValue.from_json``.
+
 To read a new key: define its ``Struct`` (field types with ``Meta`` bounds; a
 ``__post_init__`` for cross-field rules), add a ``Schema`` row, and call
 ``decode(KIND, key, raw)``; ``tests/test_decode_fuzz.py`` fuzzes every row.
@@ -22,6 +25,8 @@ To read a new key: define its ``Struct`` (field types with ``Meta`` bounds; a
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import enum
 import logging
 import math
@@ -284,6 +289,56 @@ def count_ignored(kind: str, key: str, why: str, revision: int = 0) -> None:
         return
     _reported.add(seen)
     logger.warning("ignoring etcd key %s: %s", shown(key), why)
+
+
+# ---------------------------------------------------------------- the gateway's JSON
+
+
+class WireError(ValueError):
+    """etcd's gateway answered JSON that is not what etcd sends (``etcd_client`` turns it
+    into an ``EtcdError``)."""
+
+
+_INT64 = 1 << 63
+
+
+def gateway_kv(data: object) -> tuple[str, bytes, int, int, int, int]:
+    """(key, value, create_revision, mod_revision, version, lease) of one key-value of the
+    gateway's JSON (base64 key and value, int64 fields as strings)."""
+    if not isinstance(data, dict):
+        raise WireError("a key-value that is not an object")
+    return (key_text(_unb64(data.get("key", ""))), _unb64(data.get("value", "")),
+            _int64(data, "create_revision"), _int64(data, "mod_revision"),
+            _int64(data, "version"), _int64(data, "lease"))
+
+
+def gateway_list(items: object) -> list[dict[str, Any]]:
+    """A list of JSON objects (``kvs``, watch ``events``)."""
+    if not isinstance(items, list | tuple) or not all(isinstance(i, dict) for i in items):
+        raise WireError("a list of key-values that is not one")
+    return list(items)
+
+
+def _unb64(text: object) -> bytes:
+    if not isinstance(text, str):
+        raise WireError("a key or value that is not base64 text")
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:  # binascii.Error
+        raise WireError("a key or value that is not base64") from None
+
+
+def _int64(data: dict[str, Any], name: str) -> int:
+    raw = data.get(name, 0)
+    value: int | None = None
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        value = raw
+    elif isinstance(raw, str) and raw.isascii():
+        with contextlib.suppress(ValueError):
+            value = int(raw)
+    if value is None or not -_INT64 <= value < _INT64:
+        raise WireError(f"a key-value whose {name} is not an int64")
+    return value
 
 
 def key_text(raw: bytes) -> str:

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import aiohttp
 import anyio
 
-from supervisor.rendezvous.decode import key_text
+from supervisor.rendezvous.decode import WireError, gateway_kv, gateway_list
 
 logger = logging.getLogger(__name__)
 
@@ -100,18 +100,12 @@ class KeyValue:
 
     @classmethod
     def from_json(cls, data: object) -> KeyValue:
-        """One key of the gateway's JSON; ``EtcdError`` if it is not one (a key that is not
-        UTF-8 is kept under a name that matches none of ours: see ``decode.key_text``)."""
-        if not isinstance(data, dict):
-            raise EtcdError("etcd answered a key-value that is not an object")
-        return cls(
-            key=key_text(_unb64(data.get("key", ""))),
-            value=_unb64(data.get("value", "")),
-            create_revision=_int64(data, "create_revision"),
-            mod_revision=_int64(data, "mod_revision"),
-            version=_int64(data, "version"),
-            lease=_int64(data, "lease"),
-        )
+        """One key of the gateway's JSON, checked by ``decode.gateway_kv``; ``EtcdError``
+        if it is not one."""
+        try:
+            return cls(*gateway_kv(data))
+        except WireError as exc:
+            raise EtcdError(f"etcd answered {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -178,36 +172,11 @@ def _b64(text: str | bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
-def _unb64(text: object) -> bytes:
-    if not isinstance(text, str):
-        raise EtcdError("etcd answered a key or value that is not base64 text")
-    try:
-        return base64.b64decode(text, validate=True)
-    except ValueError:  # binascii.Error
-        raise EtcdError("etcd answered a key or value that is not base64") from None
-
-
-_INT64 = 1 << 63
-
-
 def _objects(items: object) -> list[JsonDict]:
-    """A list of JSON objects from the gateway, or ``EtcdError``."""
-    if not isinstance(items, list | tuple) or not all(isinstance(i, dict) for i in items):
-        raise EtcdError("etcd answered a list of key-values that is not one")
-    return list(items)
-
-
-def _int64(data: JsonDict, name: str) -> int:
-    """An int64 field of the gateway's JSON (a string, or absent for 0)."""
-    raw = data.get(name, 0)
     try:
-        value = (int(raw) if isinstance(raw, int) and not isinstance(raw, bool)
-                 else int(raw) if isinstance(raw, str) and raw.isascii() else None)
-    except ValueError:
-        value = None
-    if value is None or not -_INT64 <= value < _INT64:
-        raise EtcdError(f"etcd answered a key-value whose {name} is not an int64")
-    return value
+        return gateway_list(items)
+    except WireError as exc:
+        raise EtcdError(f"etcd answered {exc}") from None
 
 
 def prefix_end(prefix: str) -> str:
