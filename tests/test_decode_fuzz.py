@@ -159,7 +159,7 @@ def test_the_values_the_supervisor_writes_decode_to_what_was_written() -> None:
     (b'{"round": "x"}', "Expected `int`"),
     (b'{"round": -1}', ">= 0"),
     (b'{"round": 1e999}', ""),
-    (b'{"round": 1, "reason": "\\u001b]0;owned\\u0007"}', "control"),
+    (b'{"round": 1, "reason": "' + b"x" * 5000 + b'"}', "length <= 4096"),
     (b'{"round": 1, "reason": "\xff"}', "UTF-8"),
     (b"[1]", "Expected `object`"),
 ])
@@ -171,6 +171,16 @@ def test_a_bad_round_names_the_key_in_one_line(raw: bytes, why: str) -> None:
     assert isinstance(caught.value, RendezvousError)
     assert message.startswith(f"etcd key {KEYS.round} holds a malformed value")
     assert why in message and "\n" not in message and "\x1b" not in message
+
+
+def test_reasons_are_kept_escaped_and_long_ones_are_bounded_by_the_writers() -> None:
+    reason = "worker said \x1b]0;owned\x07\n" + "x" * 10_000
+    _, ops = close_job_txn(KEYS, ok=False, reason=reason, node="n0")
+    raw = base64.b64decode(ops[0]["request_put"]["value"])
+    closed = State(KEYS, {KEYS.closed: _kv(KEYS.closed, raw)}).closed
+    assert closed is not None and not closed.ok
+    assert closed.reason.startswith("worker said \\x1b]0;owned\\x07\\x0a")
+    assert KEYS.closed not in closed.reason  # decoded, not the bad-value reason
 
 
 def test_a_closed_value_without_reason_closes_the_job_as_failed() -> None:

@@ -70,14 +70,12 @@ def _require_printable(*texts: str) -> None:
 
 
 class Round(msgspec.Struct, frozen=True):
-    """``ctl/round``: the current round and why it was opened."""
+    """``ctl/round``: the current round and why it was opened. Reasons are free text
+    (a failure's message may hold anything): bounded here, escaped by ``State``."""
 
     round: Count
     reason: Text = ""
     node: Text = ""
-
-    def __post_init__(self) -> None:
-        _require_printable(self.reason, self.node)
 
 
 class Result(msgspec.Struct, frozen=True):
@@ -117,14 +115,11 @@ class Restarts(msgspec.Struct, frozen=True):
 
 
 class Closed(msgspec.Struct, frozen=True):
-    """``ctl/closed``: the job is over for everyone, and why."""
+    """``ctl/closed``: the job is over for everyone, and why (free text, as ``Round``)."""
 
     ok: bool
     reason: Text
     node: Text = ""
-
-    def __post_init__(self) -> None:
-        _require_printable(self.reason, self.node)
 
 
 class Join(msgspec.Struct, frozen=True):
@@ -224,6 +219,11 @@ def shown(text: str, limit: int = 200) -> str:
     """``text`` safe to put in one log line: control characters escaped, bounded."""
     safe = _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
     return safe if len(safe) <= limit else safe[: limit - 3] + "..."
+
+
+def bounded(text: str) -> str:
+    """A reason as the writers store it: within ``MAX_TEXT``, so that it decodes."""
+    return text if len(text) <= MAX_TEXT else text[: MAX_TEXT - 3] + "..."
 
 
 def reason(raw: bytes, schema: Schema) -> str | None:

@@ -39,7 +39,7 @@ from supervisor.rendezvous.base import (
     RendezvousResult,
     free_port,
 )
-from supervisor.rendezvous.decode import BadValue
+from supervisor.rendezvous.decode import BadValue, bounded
 from supervisor.rendezvous.etcd_client import (
     EtcdClient,
     EtcdError,
@@ -599,7 +599,8 @@ class EtcdRendezvous:
                 state = self._state()
                 kv, restarts = state.kv(key), state.restarts
                 count = (restarts.count if restarts else 0) + 1
-                value = json.dumps({"count": count, "last": message, "node": self.node_id})
+                value = json.dumps({"count": count, "last": bounded(message),
+                                    "node": self.node_id})
                 guard = [compare(key, "MOD", "=", kv.mod_revision if kv else 0)]
                 if await self._write(guard, [put_op(key, value)]):
                     return int(count)

@@ -31,15 +31,18 @@ from typing import Any, TypeVar
 import msgspec
 
 from supervisor.rendezvous.decode import (
+    MAX_TEXT,
     Closed,
     Join,
     Master,
     Restarts,
     Result,
     Round,
+    bounded,
     count_ignored,
     decode,
     node_part_ok,
+    shown,
 )
 from supervisor.rendezvous.etcd_client import JsonDict, KeyValue, compare, delete_op, put_op
 
@@ -122,7 +125,7 @@ class State:
     @property
     def round_reason(self) -> str:
         data = self._value("ctl/round", self.keys.round, Round)
-        return data.reason if data else ""
+        return shown(data.reason, MAX_TEXT) if data else ""
 
     @property
     def round_mod(self) -> int:
@@ -131,7 +134,10 @@ class State:
 
     @property
     def closed(self) -> Closed | None:
-        return self._value("ctl/closed", self.keys.closed, Closed)
+        """The job's end (its reason escaped: it goes into log lines and messages)."""
+        data = self._value("ctl/closed", self.keys.closed, Closed)
+        return msgspec.structs.replace(data, reason=shown(data.reason, MAX_TEXT)) \
+            if data else None
 
     @property
     def restarts(self) -> Restarts | None:
@@ -294,7 +300,8 @@ def round_guard(state: State) -> list[JsonDict]:
 def advance_txn(state: State, reason: str, node: str) -> Txn:
     """Open round n+1 (unless someone did) and forget round n-1."""
     keys, n = state.keys, state.round
-    ops = [put_op(keys.round, json.dumps({"round": n + 1, "reason": reason, "node": node}))]
+    ops = [put_op(keys.round, json.dumps({"round": n + 1, "reason": bounded(reason),
+                                          "node": node}))]
     if n >= 1:
         ops += [delete_op(keys.result(n - 1)), delete_op(keys.master(n - 1)),
                 delete_op(keys.node(n - 1, ""), prefix=True)]
@@ -303,7 +310,7 @@ def advance_txn(state: State, reason: str, node: str) -> Txn:
 
 def close_job_txn(keys: Keys, *, ok: bool, reason: str, node: str) -> Txn:
     """Close the job for everyone, unless it is closed already (the first reason wins)."""
-    value = json.dumps({"ok": ok, "reason": reason, "node": node})
+    value = json.dumps({"ok": ok, "reason": bounded(reason), "node": node})
     return [compare(keys.closed, "VERSION", "=", 0)], [put_op(keys.closed, value)]
 
 
