@@ -256,15 +256,19 @@ def _check_floats(value: Any) -> None:
             _check_floats(field)
 
 
-def decode(kind: str, key: str, raw: bytes, expect: type[S]) -> S | None:
+def decode(kind: str, key: str, raw: bytes, expect: type[S], *, report: bool = True
+           ) -> S | None:
     """The value of ``key`` (of ``kind``, a row of ``SCHEMAS``), or per the row's rule:
     raise ``BadValue`` (FAIL), None after counting it (IGNORE), or a failed ``Closed``
-    (CLOSED)."""
+    (CLOSED). ``report=False``: an ignored value is neither logged nor counted here (a
+    command that counts it itself, such as ``status``)."""
     schema = SCHEMAS[kind]
     assert schema.type is expect, (kind, expect)
     try:
         value = _decode(raw, schema)
     except ValueError as exc:
+        if not report and schema.on_bad is OnBad.IGNORE:
+            return None
         return _bad(kind, key, schema, str(exc), expect)
     assert isinstance(value, expect)
     return value

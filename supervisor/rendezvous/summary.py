@@ -176,7 +176,8 @@ async def read_job(client: EtcdClient, run_id: str) -> tuple[list[dict[str, Any]
     result = await client.range(summary_prefix(run_id), prefix=True)
     rows, skipped = [], 0
     for kv in result.kvs:
-        row = decode("status", kv.key, kv.value, Summary) if printable(kv.key) else None
+        row = (decode("status", kv.key, kv.value, Summary, report=False)
+               if printable(kv.key) else None)
         if row is None or "\ufffd" in kv.key:
             skipped += 1
             continue
