@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
@@ -44,9 +45,8 @@ from supervisor.workers.group import (
 )
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.output import OutputPlan
-from supervisor.workers.spawn import Worker, signal_workers
-
-AUTO_SETTLE = 5.5  # s after a launch: a warm worker has recorded its imports at 1 and 5 s
+from supervisor.workers.spawn import DeathSignal, Worker, signal_workers
+from supervisor.workers.warm.pool import NullPool, Pool, WarmPool
 
 __all__ = ["Attempt", "CommandFor", "Controller", "CpusFor", "ForwardSignal", "Observer",
            "ReopenLogs", "SnapshotHub", "settings_command"]
@@ -166,10 +166,17 @@ class Controller:
         )
         self.state = sm.State()
         self.round: RendezvousResult | None = None
+        death = DeathSignal()
+        pool: Pool = NullPool() if settings.no_warm_restart else WarmPool(
+            settings, python=environ.get("PYTHON_EXEC", sys.executable), death=death,
+            progress=self.progress, membership_can_change=rendezvous.backend != "static",
+            guardian=guardian,
+        )
         self.group = WorkerGroup(
             settings, run_id=run_id, events=events, log_root=log_root, output=output,
-            environ=environ, timer_file=timer_file, post=self._post, guardian=guardian,
-            sweep_adopted=sweep_adopted, exempt_pids=exempt_pids, command=command, cpus=cpus,
+            environ=environ, timer_file=timer_file, post=self._post, death=death, pool=pool,
+            guardian=guardian, sweep_adopted=sweep_adopted, exempt_pids=exempt_pids,
+            command=command, cpus=cpus,
         )
         self.health_port: int | None = None  # set once the health socket is bound
         # the etcd backends' reachability and outages, for /status (set by the app)
@@ -205,7 +212,7 @@ class Controller:
                 tg.cancel_scope.cancel()
         finally:
             await self.group.release()
-            self.group.discard_standbys()
+            self.group.close()
         self._summarise()
         return self.state.exit_code if self.state.exit_code is not None else 1
 
@@ -395,7 +402,7 @@ class Controller:
         self.events.emit(
             "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
             pids={w.local_rank: w.pid for w in attempt.workers},
-            warm=[w.local_rank for w in attempt.workers if w.extra.get("warm")] or None,
+            warm=[w.local_rank for w in attempt.workers if w.start.warm] or None,
             master_addr=layout.master_addr, master_port=layout.master_port,
             cpus={w.local_rank: list(w.spec.cpus) for w in attempt.workers if w.spec.cpus}
             or None,
@@ -409,47 +416,6 @@ class Controller:
         for local_rank, message in failed_to_start:
             self._post(sm.WorkerExited(decision.attempt, local_rank, 0, 127, None, now, message))
         self._launched_once.set()
-        if group.restart_possible(decision.restart_count):
-            if group.preloading:
-                self._tg.start_soon(self._preload_standbys, attempt)
-            else:  # planned now, before any event of this attempt is handled
-                self._tg.start_soon(group.start_standbys, group.plan_standbys(attempt))
-
-    async def _preload_standbys(self, attempt: Attempt) -> None:
-        """Preloading standbys for the next attempt, once this one has resumed.
-
-        A standby that imports a framework costs seconds of CPU: started at once, it would
-        compete with the very ranks that are resuming. So they start when every rank has
-        shown progress in this attempt, or ``preload_after`` seconds after the launch for
-        a job that shows none (their imports run at idle CPU priority in any case)."""
-        launched = time.monotonic()
-        with anyio.move_on_after(self.settings.preload_after):
-            await self._all_progressed(attempt)
-        if self.group.standby_options.auto:  # the workers' second record of their imports
-            await anyio.sleep(max(0.0, launched + AUTO_SETTLE - time.monotonic()))
-        if self.attempt is attempt and self.state.phase is sm.Phase.RUNNING:
-            self.group.learn_store(attempt)
-            await self.group.start_standbys(self.group.plan_standbys(attempt))
-
-    async def _all_progressed(self, attempt: Attempt) -> None:
-        """Return once every local rank of ``attempt`` has shown progress."""
-        done = anyio.Event()
-        ranks = attempt.layout.local_world_size
-
-        def check() -> None:
-            if self.progress.attempt == attempt.number and self.progress.count() >= ranks:
-                done.set()
-
-        self.progress.listeners.append(check)
-        try:
-            check()
-            await done.wait()
-        finally:
-            self.progress.listeners.remove(check)
-
-    def _exempt(self) -> set[int]:
-        """Our children a group's sweep must not kill: the guardian and the standbys."""
-        return self.group.exempt()
 
     async def _watch_membership(self, attempt: Attempt) -> None:
         try:
@@ -463,6 +429,7 @@ class Controller:
         if decision.reason in (sm.StopReason.SHUTDOWN, sm.StopReason.FATAL):
             self._action.cancel()  # no more rendezvous, backoff or barrier
         attempt = self.attempt
+        self.group.stopping(attempt)  # no standby is planned for it from now on
         root = self.state.root_cause
         self.events.emit(
             "group_stopping", reason=decision.reason.value, signal=_signame(decision.signum),
