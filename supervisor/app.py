@@ -44,10 +44,11 @@ from supervisor.controller import (
     Outbox,
     ReopenLogs,
     SnapshotHub,
+    restart_policy,
 )
 from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads
-from supervisor.core.snapshot import ProgressTable, Snapshot
+from supervisor.core.snapshot import ProgressTable
 from supervisor.events import EventLog
 from supervisor.health.looplag import LoopLag
 from supervisor.logsetup import configure_logging
@@ -60,13 +61,17 @@ from supervisor.systemd import (
     extending_timeout,
     run_watchdog_pings,
 )
+from supervisor.views import ReadModel, RunResult
 from supervisor.watchdog.dstate import DStateMonitor
 from supervisor.watchdog.escalate import HangDump, resolve_hang_dump
 from supervisor.watchdog.fifo import FifoError, check_fifo_path
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
+from supervisor.workers.group import WorkerGroup
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
 from supervisor.workers.output import OutputPlan, OutputSpecError
+from supervisor.workers.spawn import DeathSignal
 from supervisor.workers.topology import cpus_for
+from supervisor.workers.warm.pool import NullPool, Pool, WarmPool
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +85,7 @@ def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None)
     configure_logging(settings.log_level, settings.log_format)
     faulthandler.enable()  # a watchdog SIGABRT then leaves every thread's stack in the log
     try:
-        return anyio.run(supervise, settings, env)
+        return anyio.run(supervise, settings, env).exit_code
     except ConfigError as exc:
         return _config_error(exc)
     except StoppedBeforeStart as exc:
@@ -221,8 +226,8 @@ async def supervise(
     command: CommandFor | None = None,
     cpus: CpusFor | None = None,
     embedded: bool = False,
-) -> int:
-    """Compose and run every task; returns the exit code.
+) -> RunResult:
+    """Compose and run every task; returns how the run ended (exit code, root cause).
 
     ``embedded`` is the Python API's mode: the supervisor runs inside someone else's
     process, so it installs no signal handlers, does not become a child subreaper (the
@@ -270,8 +275,6 @@ async def supervise(
         raise
     events = EventLog(event_log, run_id)
     etcd = etcd_rendezvous_of(rendezvous)
-    if etcd is not None:  # outages, their end and replaced leases, in the event log
-        etcd.on_event = events.emit
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
     reporter = StatusReporter(notifier)
     lag = LoopLag()
@@ -283,41 +286,53 @@ async def supervise(
     cookie = uuid.uuid4().hex
     # the guardian also removes the runtime directory if we die (a SIGKILL skips cleanup)
     guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None)
-    hub = SnapshotHub(_initial_snapshot(settings, run_id))
-    goodput = GoodputRecorder(
-        events, progress, started=time.monotonic(), bound=settings.progress_timeout
-    )
     # a rank's first output line is progress when it posts no deadlines (ProgressTable)
     output.on_first_line = lambda local_rank: progress.touch_output(local_rank, time.monotonic())
-    observers: list[Observer] = [_StopNotice(reporter), goodput]
-    controller = Controller(
-        settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
-        output=output, environ=worker_base_env(environ, settings.local_world_size, cookie),
-        timer_file=str(timer_file) if timer_file else None, guardian=guardian,
+    send, receive = anyio.create_memory_object_stream[sm.Event | ForwardSignal | ReopenLogs](
+        max_buffer_size=4096
+    )
+    death = DeathSignal()
+    pool = make_pool(settings, rendezvous, environ, death, progress, guardian)
+    group = WorkerGroup(
+        settings, run_id=run_id, events=events, log_root=log_root, output=output,
+        environ=worker_base_env(environ, settings.local_world_size, cookie),
+        timer_file=str(timer_file) if timer_file else None, post=send.send_nowait,
+        death=death, pool=pool, guardian=guardian,
         exempt_pids=[guardian.pid, *rendezvous_children(rendezvous)],
         sweep_adopted=not embedded, command=command, cpus=cpus,
-        progress=progress, observers=observers,
-        stop_guard=lambda: extending_timeout(notifier), goodput=goodput,
     )
-    goodput.republish = lambda: hub.publish(controller.snapshot())
-    if etcd is not None:  # an outage's start and end change /status: publish them
-        controller.service_status = etcd.outage_status
+    policy = restart_policy(settings)
+    goodput = GoodputRecorder(
+        events, progress, started=time.monotonic(), bound=settings.progress_timeout,
+        republish=lambda: view.publish(), shown=group.shown_attempt,
+    )
+    view = ReadModel(
+        settings, run_id=run_id, backend=rendezvous.backend, group=group, policy=policy,
+        events=events, output=output, timer_file=str(timer_file) if timer_file else None,
+        health_port=sock.getsockname()[1] if sock is not None else None, goodput=goodput,
+        service_status=etcd.outage_status if etcd is not None else None,
+        members_checked=not (rendezvous.backend == "static" and settings.max_nodes > 1),
+    )
+    hub = view.hub
+    if etcd is not None:  # outages, their end and replaced leases: logged, in /status
         emit = events.emit
 
         def on_etcd_event(kind: str, **fields: Any) -> None:
             emit(kind, **fields)
-            hub.publish(controller.snapshot())
+            view.publish()
 
         etcd.on_event = on_etcd_event
-    goodput.shown = controller.shown_attempt
+    observers: list[Observer] = [_StopNotice(reporter), goodput]
+    controller = Controller(
+        settings, rendezvous, group=group, view=view, policy=policy, events=events,
+        output=output, progress=progress, observers=observers,
+        stop_guard=lambda: extending_timeout(notifier),
+    )
     for level, note in advisories(settings):  # after the checks: a failed start is one line
         logger.log(level, "%s", note)
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
                 local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
     logger.info("run %s: logs under %s", run_id, log_root / run_id)
-    send, receive = anyio.create_memory_object_stream[sm.Event | ForwardSignal | ReopenLogs](
-        max_buffer_size=4096
-    )
     try:
         async with anyio.create_task_group() as tg:
             if not embedded:
@@ -337,15 +352,15 @@ async def supervise(
                 )
             if sock is not None:
                 port = sock.getsockname()[1]
-                controller.health_port = port  # in the STATUS line and /status
                 logger.info("health endpoint on http://%s:%d", settings.health_host, port)
                 events.emit("health_listening", host=settings.health_host, port=port)
-                tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog)
+                tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog, goodput,
+                              hub)
                 health_url = f"http://{advertised_host(settings)}:{port}"
             if settings.rdzv_backend == "etcd":
                 start_summaries(tg, rendezvous, hub, health_url)
             tg.start_soon(publish_status, hub, reporter)
-            code = await controller.run(receive, send)
+            result = await controller.run(receive, send)
             reporter.publish(hub.current)
             await _close_rendezvous(rendezvous, controller.state)
             tg.cancel_scope.cancel()
@@ -360,7 +375,7 @@ async def supervise(
         events.close()
         notifier.close()
         runtime.cleanup()
-    return code
+    return result
 
 
 class StoppedBeforeStart(Exception):
@@ -404,6 +419,24 @@ async def _cancel_on_stop_signal(
             received.append(signum)
             scope.cancel()
             return
+
+
+def make_pool(
+    settings: Settings,
+    rendezvous: Rendezvous,
+    environ: Mapping[str, str],
+    death: DeathSignal,
+    progress: ProgressTable,
+    guardian: Guardian,
+) -> Pool:
+    """The warm pool (``--no-warm-restart``: none, every attempt starts cold)."""
+    if settings.no_warm_restart:
+        return NullPool()
+    return WarmPool(
+        settings, python=environ.get("PYTHON_EXEC", sys.executable), death=death,
+        progress=progress, membership_can_change=rendezvous.backend != "static",
+        guardian=guardian,
+    )
 
 
 def etcd_rendezvous_of(rendezvous: Rendezvous) -> EtcdRendezvous | None:
@@ -525,6 +558,8 @@ async def serve_when_launched(
     sock: socket.socket,
     lag: LoopLag,
     watchdog: Watchdog | None,
+    goodput: GoodputRecorder,
+    hub: SnapshotHub,
 ) -> None:
     """Serve HTTP once the first group is launched (or SERVE_DEFER passed, for a long
     rendezvous): importing aiohttp and prometheus-client costs ~100 ms, which would
@@ -546,13 +581,12 @@ async def serve_when_launched(
     metrics.watch_loop(lag)
     metrics.watch_event_log(controller.events)
     metrics.watch_output(controller.output.loss)
-    if controller.goodput is not None:
-        controller.goodput.attach_metrics(metrics)
+    goodput.attach_metrics(metrics)
     if watchdog is not None:
         watchdog.metrics = metrics
     serve = functools.partial(serve_health, sock=sock)
     await tg.start(
-        serve, "", 0, lambda: controller.hub.current, controller.progress, metrics, lag.current
+        serve, "", 0, lambda: hub.current, controller.progress, metrics, lag.current
     )
 
 
@@ -719,13 +753,3 @@ def check_event_log(path: Path, setting: str) -> None:
 
 def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc)
-
-
-def _initial_snapshot(settings: Settings, run_id: str) -> Snapshot:
-    return Snapshot(
-        run_id=run_id, phase=sm.Phase.RENDEZVOUS.value, attempt=0, restart_count=0,
-        max_restarts=settings.max_restarts, restarts_left=settings.max_restarts, world_size=0,
-        local_world_size=settings.local_world_size, role=settings.role,
-        published_at=time.monotonic(), started_at_wall=time.time(),
-        progress_timeout=settings.progress_timeout, ready_when=settings.ready_when,
-    )

@@ -13,12 +13,14 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from supervisor.config import Settings
 from supervisor.core import state as sm
@@ -42,6 +44,18 @@ CpusFor = Callable[[int], tuple[int, ...] | None]
 Post = Callable[[sm.Event], None]
 
 
+class WorkerFailure(msgspec.Struct, frozen=True):
+    """A worker that failed before its group began to stop (the run's typed result)."""
+
+    local_rank: int
+    global_rank: int
+    pid: int
+    exit_code: int | None
+    signal: str | None  # its name (SIGKILL), when it died by one
+    message: str
+    at_wall: float
+
+
 class AttemptPrepError(OSError):
     """The supervisor could not prepare an attempt (its own failure, not the workers')."""
 
@@ -58,7 +72,9 @@ class Attempt:
     workers: list[Worker] = field(default_factory=list)
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     kill_now: anyio.Event = field(default_factory=anyio.Event)
-    stopping: bool = False  # set when its stop begins: no new standbys from then on
+    stopping: bool = False  # set when its stop is decided: no new standbys from then on
+    # workers that failed before the stop was decided, in the order their exits were seen
+    failures: list[WorkerFailure] = field(default_factory=list)
 
     def error_file(self, local_rank: int) -> Path:
         return self.directory / str(local_rank) / "error.json"
@@ -188,6 +204,18 @@ class WorkerGroup:
         logger.debug("local rank %d started as pid %d", spec.local_rank, worker.pid)
         return worker
 
+    def shown_attempt(self, number: int) -> int:
+        """The attempt number users see, everywhere (summary, /status, events, metrics,
+        STATUS): K of its ``attempt_K`` directory, torchrun's layout. It counts from 0 and
+        continues after the directories an earlier run left under the same run id.
+        ``number`` is the state machine's launch count (1 for the first launch); before
+        the first launch this is the number the first attempt will get."""
+        return self.dir_base + max(number, 1) - 1
+
+    def attempt_dir(self, number: int) -> Path:
+        """The directory of the attempt with state machine number ``number``."""
+        return self.log_root / self.run_id / f"attempt_{self.shown_attempt(number)}"
+
     def exempt(self) -> set[int]:
         """Our children a group's sweep must not kill: the guardian, the rendezvous's
         children and the standbys."""
@@ -224,12 +252,15 @@ class WorkerGroup:
         if not status.ok:
             report = read_error_file(attempt.error_file(worker.local_rank))
             message = report.summary if report else ""
+        signame = sm.signal_name(status.signal) if status.signal else None
         self.events.emit(
             "worker_exited", local_rank=worker.local_rank, rank=worker.spec.global_rank,
-            pid=worker.pid, exit_code=status.exit_code,
-            signal=sm.signal_name(status.signal) if status.signal else None,
-            message=message or None,
+            pid=worker.pid, exit_code=status.exit_code, signal=signame, message=message or None,
         )
+        if not status.ok and not attempt.stopping:
+            attempt.failures.append(WorkerFailure(
+                worker.local_rank, worker.spec.global_rank, worker.pid, status.exit_code,
+                signame, message, time.time()))
         self.post(
             sm.WorkerExited(
                 attempt.number, worker.local_rank, worker.pid, status.exit_code,
