@@ -41,10 +41,11 @@ from typing import Any
 import anyio
 import msgspec
 
-from supervisor.app import check_runnable, supervise
+from supervisor.app import supervise
 from supervisor.config import ConfigError, Settings, build
 from supervisor.controller import CommandFor, settings_command
 from supervisor.core.envs import interpreter
+from supervisor.preflight import check_runnable
 from supervisor.views import RunResult
 from supervisor.workers import bootstrap
 from supervisor.workers.errorfile import read_error_file

@@ -163,6 +163,11 @@ class Controller:
         self.view.summarise()
         return self.view.result()
 
+    def attach(self, observer: Observer) -> None:
+        """Add an observer of the transitions from now on (started before the first
+        launch: the watchdog's and health signals' tables)."""
+        self.observers.append(observer)
+
     def attach_late(self, observer: Observer) -> None:
         """Add an observer and replay to it every transition made so far."""
         for step in self._replay or ():

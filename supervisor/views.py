@@ -29,7 +29,8 @@ from supervisor.workers.group import Attempt, WorkerFailure, WorkerGroup
 from supervisor.workers.output import OutputPlan
 from supervisor.workers.spawn import Worker
 
-logger = logging.getLogger(__name__)
+# the name the transition and end-of-run lines always had (users' log filters know it)
+logger = logging.getLogger("supervisor.controller")
 
 
 class SnapshotHub:
