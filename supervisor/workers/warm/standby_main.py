@@ -111,8 +111,11 @@ def _standby() -> None:
             pass
     data, fds, need = b"", [], None
     while need is None or len(data) < need:
-        chunk, anc, _flags, _addr = sock.recvmsg(
-            1 << 16, _socket.CMSG_SPACE(16), _socket.MSG_CMSG_CLOEXEC)
+        try:
+            chunk, anc, _flags, _addr = sock.recvmsg(
+                1 << 16, _socket.CMSG_SPACE(16), _socket.MSG_CMSG_CLOEXEC)
+        except OSError:  # reset (our report was never read) as the supervisor ends
+            os._exit(0)  # the same as its end closing: no user code ran, nothing to say
         for level, kind, raw in anc:
             if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
                 fds += [int.from_bytes(raw[i:i + 4], sys.byteorder)
