@@ -185,11 +185,20 @@ class Controller:
         self._send.send_nowait(event)
 
     def _apply(self, event: sm.Event) -> None:
-        if self._stale(event):
-            logger.debug("dropping stale %s", event)
-            return
         old = self.state
-        new, decision = sm.transition(old, event, self.policy)
+        if sm.is_stale(old, event):  # an earlier attempt's: it can change nothing now
+            self.view.on_stale(event)
+            return
+        try:
+            new, decision = sm.transition(old, event, self.policy)
+        except sm.InvalidTransition as exc:
+            # a bug of ours, never the workers': say so loudly and keep supervising
+            # (raising here would end the run and orphan the group's stop)
+            logger.error("ignoring an event the state machine has no edge for: %s (%r)",
+                         exc, event)
+            self.events.emit("invalid_transition", phase=old.phase.value,
+                             event=type(event).__name__)
+            return
         self.state = new
         for observer in self.observers:
             observer.on_transition(old, new, event, decision)
@@ -197,12 +206,6 @@ class Controller:
             self._replay.append((old, new, event, decision))
         self.view.publish()
         self._execute(decision)
-
-    def _stale(self, event: sm.Event) -> bool:
-        attempt = getattr(event, "attempt", None)
-        if isinstance(event, sm.GroupLaunched | sm.LaunchFailed):
-            return False
-        return attempt is not None and attempt != self.state.attempt
 
     def _command(self, command: Command) -> None:
         if isinstance(command, ForwardSignal):
@@ -352,7 +355,7 @@ class Controller:
         except RendezvousError as exc:
             reason = f"rendezvous lost: {exc}"
         self.events.emit("membership_changed", reason=reason)
-        self._post(sm.MembershipChanged(reason))
+        self._post(sm.MembershipChanged(reason, attempt.number))
 
     def _stop(self, decision: sm.StopGroup) -> None:
         if decision.reason in (sm.StopReason.SHUTDOWN, sm.StopReason.FATAL):
