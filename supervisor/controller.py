@@ -28,6 +28,7 @@ from supervisor.core.policy import RestartPolicy
 from supervisor.core.snapshot import ProgressTable
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import Rendezvous, RendezvousError, RendezvousResult
+from supervisor.rendezvous.watch import MembershipWatch
 from supervisor.views import ReadModel, RunResult, SnapshotHub, signame
 from supervisor.workers.group import (
     Attempt,
@@ -134,6 +135,7 @@ class Controller:
         self._send: Outbox | None = None
         self._rng = random.Random()
         self._launched_once = anyio.Event()
+        self.membership = MembershipWatch(rendezvous, events, self._post)
 
     @property
     def attempt(self) -> Attempt | None:
@@ -329,7 +331,7 @@ class Controller:
             self._apply(sm.LaunchFailed(decision.attempt, str(exc), time.monotonic()))
             return
         self.events.attempt = group.shown_attempt(decision.attempt)  # a taken K was skipped
-        self._tg.start_soon(group.supervise, attempt, self._watch_membership)
+        self._tg.start_soon(group.supervise, attempt, self.membership.watch)
         layout = attempt.layout
         self.events.emit(
             "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
@@ -348,14 +350,6 @@ class Controller:
         for local_rank, message in failed_to_start:
             self._post(sm.WorkerExited(decision.attempt, local_rank, 0, 127, None, now, message))
         self._launched_once.set()
-
-    async def _watch_membership(self, attempt: Attempt) -> None:
-        try:
-            reason = await self.rendezvous.wait_membership_change(attempt.round)
-        except RendezvousError as exc:
-            reason = f"rendezvous lost: {exc}"
-        self.events.emit("membership_changed", reason=reason)
-        self._post(sm.MembershipChanged(reason, attempt.number))
 
     def _stop(self, decision: sm.StopGroup) -> None:
         if decision.reason in (sm.StopReason.SHUTDOWN, sm.StopReason.FATAL):
