@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import subprocess
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -21,20 +21,10 @@ from supervisor.rendezvous.etcd_client import (
     put_op,
     range_op,
 )
-from tests.etcd_server import EtcdFactory, EtcdMember, etcd_factory, free_port, make_tls_material
+from tests.support.etcd import EtcdFactory, EtcdMember, make_tls_material
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.etcd
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdFactory]:
-    with etcd_factory(tmp_path) as factory:
-        yield factory
-
-
-@pytest.fixture
-def server(etcd: EtcdFactory) -> EtcdMember:
-    return etcd.single()
 
 
 @pytest.fixture
@@ -124,8 +114,8 @@ async def test_failover_skips_a_dead_first_endpoint(server: EtcdMember) -> None:
         assert client.endpoints[client._current] == server.endpoint
 
 
-async def test_cluster_survives_loss_of_the_member_in_use(etcd: EtcdFactory) -> None:
-    members = etcd.cluster(3)
+async def test_cluster_survives_loss_of_the_member_in_use(factory: EtcdFactory) -> None:
+    members = factory.cluster(3)
     async with EtcdClient([m.endpoint for m in members], timeout=2.0) as client:
         await client.put("/t/c", "1")
         members[0].kill()
@@ -135,8 +125,8 @@ async def test_cluster_survives_loss_of_the_member_in_use(etcd: EtcdFactory) -> 
         assert kv is not None and kv.text == "2"
 
 
-async def test_watch_resumes_on_another_member(etcd: EtcdFactory) -> None:
-    members = etcd.cluster(3)
+async def test_watch_resumes_on_another_member(factory: EtcdFactory) -> None:
+    members = factory.cluster(3)
     async with EtcdClient([m.endpoint for m in members], timeout=2.0) as client:
         start = await client.put("/t/r/a", "1")
         with anyio.fail_after(10):
@@ -169,9 +159,9 @@ async def test_user_password_authenticates_without_leaking_it(server: EtcdMember
     assert "wrong" not in str(info.value)
 
 
-async def test_tls_with_client_certificate(etcd: EtcdFactory, tmp_path: Path) -> None:
+async def test_tls_with_client_certificate(factory: EtcdFactory, tmp_path: Path) -> None:
     material = make_tls_material(tmp_path / "tls")
-    server = etcd.single(tls=material)
+    server = factory.single(tls=material)
     tls = TlsFiles(str(material.ca), str(material.client_cert), str(material.client_key))
     async with EtcdClient([server.endpoint], tls=tls) as client:
         await client.put("/t/tls", "1")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import sys
 import urllib.request
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -26,21 +26,11 @@ from supervisor.rendezvous.etcd import (
     parse_rdzv_conf,
 )
 from supervisor.rendezvous.etcd_client import EtcdClient
-from tests.etcd_server import EtcdFactory, EtcdMember, etcd_factory, free_port
+from tests.support.etcd import EtcdFactory, EtcdMember
+from tests.support.paths import REPO
+from tests.support.ports import free_port
 
-REPO = Path(__file__).parent.parent
 etcd = pytest.mark.etcd
-
-
-@pytest.fixture
-def factory(tmp_path: Path) -> Iterator[EtcdFactory]:
-    with etcd_factory(tmp_path) as made:
-        yield made
-
-
-@pytest.fixture
-def server(factory: EtcdFactory) -> EtcdMember:
-    return factory.single()
 
 
 def config(endpoints: Sequence[str], i: int, **overrides: Any) -> EtcdRendezvousConfig:

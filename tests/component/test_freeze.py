@@ -23,8 +23,9 @@ from supervisor.events import EventLog
 from supervisor.health.looplag import LoopLag, Stall
 from supervisor.health.metrics import Metrics
 from supervisor.watchdog.timers import WatchdogConfig
-from tests.conftest import pid_alive, supervisor
-from tests.test_watchdog import post, request, running_watchdog
+from tests.support.daemon import supervisor
+from tests.support.processes import pid_alive
+from tests.support.watchdog import post, request, running_watchdog
 
 RENEW = """
 import os, sys, time

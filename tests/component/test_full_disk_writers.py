@@ -15,8 +15,8 @@ from supervisor.core.snapshot import MAX_MESSAGE_CHARS
 from supervisor.events import MAX_PENDING, EventLog
 from supervisor.health.metrics import Metrics
 from supervisor.workers.output import LogFile, OutputLoss
-from tests.conftest import supervisor
-from tests.tmpfs import fill, small_tmpfs
+from tests.support.daemon import supervisor
+from tests.support.tmpfs import fill, small_tmpfs
 
 MARKER = re.compile(rb"\[elastic-supervisor: (\d+) bytes of output lost here: ([^\]]+)\]\n")
 

@@ -40,7 +40,8 @@ from supervisor.core.deadlines import (
 from supervisor.health.server import load_openapi
 from supervisor.watchdog.fifo import LineBuffer
 from supervisor.workers.errorfile import read_error_file
-from tests.conftest import FAKE_WORKER, REPO, supervisor
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER, REPO
 
 # ------------------------------------------------------------------ the deadline FIFO
 

@@ -26,9 +26,10 @@ from supervisor.core.snapshot import MAX_MESSAGE_CHARS, FailureView, cap_text
 from supervisor.health.server import MAX_CONNECTIONS, ConnectionLedger, load_openapi
 from supervisor.workers.attemptdir import MAX_SKIPPED, create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
-from tests.conftest import FAKE_WORKER, supervisor
-from tests.test_health_server import Harness, make_snapshot, running_server
-from tests.tmpfs import small_tmpfs
+from tests.support.daemon import supervisor
+from tests.support.health import Harness, make_snapshot, running_server
+from tests.support.paths import FAKE_WORKER
+from tests.support.tmpfs import small_tmpfs
 
 
 def torch_error(message: str) -> str:

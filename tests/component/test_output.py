@@ -37,8 +37,9 @@ from supervisor.workers.logs import (
     route_stream,
 )
 from supervisor.workers.output import OutputPlan
-from tests import deps
-from tests.conftest import FAKE_WORKER, supervisor
+from tests.support import deps
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER
 
 BASE = ["--health-port", "0", "--shutdown-timeout", "5"]
 MARK = CONTINUATION_MARK.decode()

@@ -55,8 +55,8 @@ from supervisor.systemd import (
     parse_watchdog,
     run_watchdog_pings,
 )
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 UNITS = REPO / "systemd"
 INSTALLED_BINARY = "/opt/elastic-supervisor/venv/bin/elastic-supervisor"
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0  # the daemon's default shutdown_timeout (DESIGN.md)

@@ -9,7 +9,6 @@ every wait bounded by ``fail_after``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import json
 import logging
@@ -20,11 +19,7 @@ import subprocess
 import sys
 import termios
 import time
-import uuid
-from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +27,10 @@ import anyio
 import anyio.abc
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
-from anyio.streams.memory import MemoryObjectReceiveStream
 
 import supervisor.worker as worker_module
 from supervisor.core.deadlines import PIPE_BUF, TimerRequest, encode_request, parse_request
-from supervisor.core.snapshot import ProgressTable
-from supervisor.core.state import DeadlineExpired, WorkerUnhealthy
+from supervisor.core.state import WorkerUnhealthy
 from supervisor.watchdog.dstate import DSample, DStateMonitor, DStateTracker, sample_d_state
 from supervisor.watchdog.escalate import (
     ExpiryOutcome,
@@ -56,14 +49,19 @@ from supervisor.watchdog.fifo import (
 )
 from supervisor.watchdog.timers import (
     RateLimitedLog,
-    Watchdog,
     WatchdogConfig,
     owner_by_ancestry,
 )
 from supervisor.worker import HEARTBEAT_SCOPE, TimerClient
-
-REPO = Path(__file__).resolve().parent.parent
-WAIT = 15.0  # bound on any single wait in this file
+from tests.support.paths import REPO
+from tests.support.watchdog import (
+    WAIT,
+    Freezer,
+    post,
+    proc_state,
+    request,
+    running_watchdog,
+)
 
 WORKER = r"""
 import os, signal, subprocess, sys, time
@@ -186,86 +184,14 @@ async def spawn(tmp_path: Path) -> AsyncIterator[SpawnFn]:
             await child.process.aclose()
 
 
-class Recorder:
-    """A ``WatchdogMetrics`` that tests can wait on."""
-
-    def __init__(self) -> None:
-        self.accepted = 0
-        self.rejected: Counter[str] = Counter()
-        self.expired: Counter[str] = Counter()
-        self._changed = anyio.Event()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    def request_accepted(self) -> None:
-        self.accepted += 1
-        self._notify()
-
-    def request_rejected(self, reason: str) -> None:
-        self.rejected[reason] += 1
-        self._notify()
-
-    def deadline_expired(self, outcome: str) -> None:
-        self.expired[outcome] += 1
-        self._notify()
-
-    async def until(self, predicate: Callable[[], bool]) -> None:
-        with anyio.fail_after(WAIT):
-            while True:
-                changed = self._changed
-                if predicate():
-                    return
-                await changed.wait()
 
 
-@dataclass
-class Harness:
-    watchdog: Watchdog
-    metrics: Recorder
-    progress: ProgressTable
-    expired: MemoryObjectReceiveStream[DeadlineExpired]
-    fifo: Path
-    owned: dict[int, int]
-
-    async def next_expiry(self) -> DeadlineExpired:
-        with anyio.fail_after(WAIT):
-            return await self.expired.receive()
 
 
-@asynccontextmanager
-async def running_watchdog(
-    fifo: Path,
-    config: WatchdogConfig | None = None,
-    owner: Callable[[int], int | None] | None = None,
-) -> AsyncIterator[Harness]:
-    owned: dict[int, int] = {}
-    progress = ProgressTable()
-    metrics = Recorder()
-    send, receive = anyio.create_memory_object_stream[DeadlineExpired](16)
-    watchdog = Watchdog(
-        fifo, owner or owned.get, progress, send.send,
-        config or WatchdogConfig(kill_grace=0.5), metrics,
-    )
-    with send, receive:
-        async with anyio.create_task_group() as tg:
-            with anyio.fail_after(WAIT):
-                path = await tg.start(watchdog.run)
-            yield Harness(watchdog, metrics, progress, receive, path, owned)
-            tg.cancel_scope.cancel()
 
 
-def post(fifo: Path, data: bytes) -> None:
-    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
 
 
-def request(pid: int, after: float = 0.0, signum: int = signal.SIGKILL, scope: str = "s") -> bytes:
-    return encode_request(TimerRequest(pid, scope, time.time() + after, signum))
 
 
 async def wait_until(predicate: Callable[[], bool]) -> None:
@@ -967,43 +893,10 @@ async def test_d_monitor_reports_through_callback_with_attempt() -> None:
     assert "uninterruptible" in event.reason
 
 
-class Freezer:
-    """A cgroup v1 freezer child group: processes moved in and FROZEN sleep in D."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.group = root / f"esv-test-{uuid.uuid4().hex[:12]}"
-        self.group.mkdir()
-
-    def freeze(self, pid: int) -> None:
-        (self.group / "cgroup.procs").write_text(str(pid))
-        (self.group / "freezer.state").write_text("FROZEN")
-
-    def release(self) -> None:
-        (self.group / "freezer.state").write_text("THAWED")
-        for pid in (self.group / "cgroup.procs").read_text().split():
-            try:
-                (self.root / "cgroup.procs").write_text(pid)
-            except OSError as exc:  # exited meanwhile
-                if exc.errno != errno.ESRCH:
-                    raise
-        self.group.rmdir()
 
 
-@pytest.fixture
-def freezer() -> Iterator[Freezer]:
-    root = Path("/sys/fs/cgroup/freezer")
-    if not (root / "cgroup.procs").is_file() or not os.access(root, os.W_OK):
-        pytest.skip("needs a writable cgroup v1 freezer at /sys/fs/cgroup/freezer (root) to "
-                    "put a process in D state; the FUSE fallback is not implemented")
-    made = Freezer(root)
-    yield made
-    made.release()
 
 
-def proc_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 async def first_d_report(workers: dict[int, int]) -> WorkerUnhealthy:

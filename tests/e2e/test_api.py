@@ -1,15 +1,13 @@
 """The Python API (``supervisor.launch`` / ``alaunch``) with real worker processes.
 
-The functions the workers run are defined at the top of this module: a fresh interpreter
-per rank imports ``tests.test_api`` to find them, as ``multiprocessing``'s spawn would.
+The functions the ranks run are in ``tests/workers/api_ranks.py``; a fresh interpreter
+per rank imports it to find them, as ``multiprocessing``'s spawn would.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,42 +18,15 @@ import supervisor
 from supervisor.api import WorkerGroupFailed, launch_settings
 from supervisor.config import ConfigError, build
 from supervisor.workers.bootstrap import error_record, substitute
-from tests import deps
-from tests.conftest import pid_alive, wait_dead
-
-# ----------------------------------------------------------------------------- rank code
-
-
-def rank_report(scale: int, tag: str) -> dict[str, Any]:
-    return {"rank": int(os.environ["RANK"]), "scaled": scale * int(os.environ["RANK"]),
-            "tag": tag, "world": int(os.environ["WORLD_SIZE"])}
-
-
-def fail_on_rank_one(message: str) -> str:
-    if os.environ["RANK"] == "1":
-        raise ValueError(message)
-    return "fine"
-
-
-def fail_first_attempt() -> tuple[int, int]:
-    restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    if restart == 0 and os.environ["RANK"] == "0":
-        raise RuntimeError("first attempt fails")
-    return int(os.environ["RANK"]), restart
-
-
-def hang_with_pid(pid_dir: str) -> None:
-    # written whole beside the directory, then renamed into it: a reader of the directory
-    # never sees a file that is empty or not yet complete
-    tmp = Path(pid_dir).parent / f"pid-{os.environ['RANK']}.tmp"
-    tmp.write_text(str(os.getpid()))
-    tmp.rename(Path(pid_dir, os.environ["RANK"]))
-    time.sleep(3600)
-
-
-def return_unpicklable() -> Any:
-    return lambda: None
-
+from tests.support import deps
+from tests.support.processes import pid_alive, wait_dead
+from tests.workers.api_ranks import (
+    fail_first_attempt,
+    fail_on_rank_one,
+    hang_with_pid,
+    rank_report,
+    return_unpicklable,
+)
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -90,7 +61,7 @@ def test_callable_exception_is_the_root_cause(tmp_path: Path) -> None:
     assert 'raise ValueError(message)' in exc.traceback
     assert "bootstrap.py" not in exc.traceback  # the user's frames only
     assert "ValueError: bad input" in str(exc) and "root cause" in str(exc)
-    assert "tests.test_api.fail_on_rank_one FAILED" in str(exc)
+    assert "tests.workers.api_ranks.fail_on_rank_one FAILED" in str(exc)
 
 
 def test_error_file_has_torchs_format(tmp_path: Path) -> None:

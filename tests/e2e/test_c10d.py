@@ -37,10 +37,13 @@ from supervisor.rendezvous.c10d import (
 )
 from supervisor.rendezvous.etcd import RendezvousConfigError, make_config
 from supervisor.rendezvous.static import StaticRendezvous
-from tests.conftest import FAKE_WORKER, REPO, supervisor, wait_dead
-from tests.etcd_server import etcd_binary, free_port
-from tests.test_multinode import LOCAL, SHOWN, Env, Node, assert_one_group, stop_all
-from tests.torchrun_lines import command_lines
+from tests.support.daemon import supervisor
+from tests.support.etcd import etcd_binary
+from tests.support.nodes import LOCAL, SHOWN, Env, Node, assert_one_group, stop_all
+from tests.support.paths import FAKE_WORKER, REPO
+from tests.support.ports import free_port
+from tests.support.processes import wait_dead
+from tests.support.torchrun_lines import command_lines
 
 etcd = pytest.mark.etcd
 READ_TIMEOUT = 2  # --rdzv-conf read_timeout of the host-loss test: its outage_limit

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 import pytest
 
-from tests.conftest import REPO
+from tests.support.paths import REPO
 
 DESTRUCTIVE = ("crash", "sigkill", "hang", "sigstop", "sigstop+crash", "guardian-stop")
 

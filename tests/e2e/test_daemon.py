@@ -12,7 +12,9 @@ from pathlib import Path
 
 import anyio
 
-from tests.conftest import FAKE_WORKER, REPO, pid_alive, supervisor, wait_dead
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER, REPO
+from tests.support.processes import pid_alive, wait_dead
 
 BASE = ["--health-port", "0", "--shutdown-timeout", "5"]
 

@@ -17,7 +17,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.conftest import FAKE_WORKER, REPO, TESTS, supervisor, wait_dead
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER, REPO, TESTS
+from tests.support.processes import wait_dead
 
 OLD = TESTS / "data" / "old-setpriv"
 WAIT = 20.0

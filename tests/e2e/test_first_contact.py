@@ -22,9 +22,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.config import DEFAULT_HEALTH_PORT, advisories, build, load_file
-from tests import deps
-from tests.conftest import FAKE_WORKER, REPO, Supervised, supervisor
-from tests.test_service_e2e import _notify_socket, _receive
+from tests.support import deps
+from tests.support.daemon import Supervised, supervisor
+from tests.support.notify import notify_socket, receive_notification
+from tests.support.paths import FAKE_WORKER, REPO
 
 HELLO = str(REPO / "examples" / "hello.py")
 
@@ -289,7 +290,7 @@ async def _status_messages(sock: socket.socket, sup: Supervised) -> list[str]:
     seen: list[str] = []
     with anyio.fail_after(15):
         while not any("READY=1" in m for m in seen):
-            pid, message = await _receive(sock)
+            pid, message = await receive_notification(sock)
             assert pid == sup.pid
             seen.append(message)
     return seen
@@ -303,7 +304,7 @@ async def test_a_busy_default_health_port_moves_to_a_free_one(tmp_path: Path) ->
         (tmp_path / "logs" / "none" / f"attempt_{k}").mkdir(parents=True)
     args = ["--log-dir", str(tmp_path / "logs"), FAKE_WORKER, "--hang"]
     env = {"NOTIFY_SOCKET": str(tmp_path / "notify")}
-    with listening(DEFAULT_HEALTH_PORT), _notify_socket(tmp_path / "notify") as notify:
+    with listening(DEFAULT_HEALTH_PORT), notify_socket(tmp_path / "notify") as notify:
         async with supervisor(args, env=env) as sup:
             warning = await sup.err.expect(
                 rf"WARNING .*health_port: the default port {DEFAULT_HEALTH_PORT} is busy "

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import FAKE_WORKER, supervisor
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER
 
 BASE = ["--health-port", "0", "--shutdown-timeout", "5"]
 

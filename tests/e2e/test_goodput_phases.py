@@ -11,28 +11,20 @@ during that import is stamped late.
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import TESTS, supervisor
+from tests.support.daemon import supervisor
+from tests.support.goodput import WORKER, first_posts, read_jsonl
+from tests.support.paths import TESTS
 
-WORKER = str(TESTS / "workers" / "goodput_worker.py")
 TOLERANCE = 0.25  # seconds, per phase boundary (the 20 ms target is a benchmark figure)
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def first_posts(worker_log: list[dict[str, Any]], attempt: int) -> dict[int, float]:
-    firsts: dict[int, float] = {}
-    for rec in worker_log:
-        if rec["event"] == "post" and rec["attempt"] == attempt:
-            firsts.setdefault(rec["rank"], rec["t"])
-    return firsts
 
 
 async def run_job(tmp_path: Path, *worker_args: str) -> tuple[list[dict[str, Any]],

@@ -31,8 +31,10 @@ from supervisor.workers.spawn import (
     spawn_worker,
     wait_exit,
 )
-from tests.conftest import FAKE_WORKER, Supervised, pid_alive, supervisor, wait_dead
-from tests.test_watchdog import Freezer, freezer, proc_state  # noqa: F401 (fixture)
+from tests.support.daemon import Supervised, supervisor
+from tests.support.paths import FAKE_WORKER
+from tests.support.processes import pid_alive, wait_dead
+from tests.support.watchdog import Freezer, proc_state
 
 WAIT = 20.0
 NOBODY = 65534
@@ -119,7 +121,7 @@ def _sleeper() -> WorkerSpec:
 
 
 async def test_worker_reaped_by_a_later_sweep_is_forgotten_first(
-    freezer: Freezer,  # noqa: F811
+    freezer: Freezer,
 ) -> None:
     """Regression: a worker that survived SIGKILL (uninterruptible sleep) was later reaped
     by a sweep as an adopted child without the guardian being told, so a dying supervisor's

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from supervisor.watchdog.escalate import CAP_SYS_PTRACE, find_py_spy, ptrace_refusal
-from tests.conftest import REPO, supervisor
+from tests.support.daemon import supervisor
+from tests.support.paths import REPO
 
 VENV_BIN = Path(sys.executable).parent
 WAIT = 30.0

@@ -12,7 +12,8 @@ from pathlib import Path
 import aiohttp
 import anyio
 
-from tests.conftest import Supervised, pid_alive, supervisor, wait_dead
+from tests.support.daemon import Supervised, supervisor
+from tests.support.processes import pid_alive, wait_dead
 
 HANG = """
 import os, signal, sys, time

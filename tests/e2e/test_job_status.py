@@ -21,8 +21,8 @@ import pytest
 
 from supervisor.rendezvous.etcd_client import EtcdClient
 from supervisor.rendezvous.summary import STATUS_ROOT, read_summaries
-from tests.conftest import REPO
-from tests.test_multinode import cluster, factory, server  # noqa: F401  -- fixtures
+from tests.support.nodes import cluster
+from tests.support.paths import REPO
 
 pytestmark = pytest.mark.etcd
 
@@ -50,7 +50,7 @@ def by_state(rows: list[dict[str, Any]]) -> list[str]:
 
 
 async def test_status_shows_every_node_of_the_job_from_etcd(
-    tmp_path: Path, server: Any  # noqa: F811
+    tmp_path: Path, server: Any
 ) -> None:
     flags = ["--max-restarts", "2", "--restart-backoff", "30:30"]
     worker = ["--hang", "--usr1-exit", "3", "--fail-rank", "0"]
@@ -106,7 +106,7 @@ async def test_status_without_etcd_is_one_clear_line(tmp_path: Path) -> None:
 
 
 async def test_publisher_writes_only_changes_bound_to_the_lease(
-    server: Any  # noqa: F811
+    server: Any
 ) -> None:
     from supervisor.rendezvous.summary import SummaryPublisher, summary_prefix
 
@@ -129,12 +129,11 @@ async def test_publisher_writes_only_changes_bound_to_the_lease(
 
 
 async def test_status_reads_a_tls_etcd_with_the_options_of_run(
-    tmp_path: Path, factory: Any  # noqa: F811
+    tmp_path: Path, factory: Any
 ) -> None:
     from supervisor.rendezvous.etcd_client import TlsFiles
     from supervisor.rendezvous.summary import summary_prefix
-    from tests.etcd_server import make_tls_material
-
+    from tests.support.etcd import make_tls_material
     tls = make_tls_material(tmp_path / "tls")
     member = factory.single(tls=tls)
     files = TlsFiles(cacert=str(tls.ca), cert=str(tls.client_cert), key=str(tls.client_key))
@@ -155,9 +154,9 @@ async def test_status_reads_a_tls_etcd_with_the_options_of_run(
 
 
 async def test_node_loss_is_accounted_as_node_lost_and_its_summary_vanishes(
-    tmp_path: Path, server: Any  # noqa: F811
+    tmp_path: Path, server: Any
 ) -> None:
-    from tests.test_multinode import LOCAL, TTL, node_with_group_rank
+    from tests.support.nodes import LOCAL, TTL, node_with_group_rank
 
     async with cluster(tmp_path, server.endpoint, nnodes="1:2",
                        flags=["--progress-timeout", "1"]) as job, \

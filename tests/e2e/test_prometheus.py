@@ -23,9 +23,10 @@ import aiohttp
 import anyio
 import pytest
 
-from tests.conftest import REPO, TESTS, supervisor
-from tests.etcd_server import free_port
-from tests.test_goodput_e2e import WORKER
+from tests.support.daemon import supervisor
+from tests.support.goodput import WORKER
+from tests.support.paths import REPO, TESTS
+from tests.support.ports import free_port
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")

@@ -17,9 +17,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.conftest import TESTS, Stream, _pump, supervisor
-from tests.etcd_server import free_port
-from tests.test_goodput_e2e import WORKER, first_posts, read_jsonl
+from tests.support.daemon import Stream, pump, supervisor
+from tests.support.goodput import WORKER, first_posts, read_jsonl
+from tests.support.paths import TESTS
+from tests.support.ports import free_port
 
 pytestmark = pytest.mark.skipif(
     shutil.which("haproxy") is None, reason="needs haproxy (apt-get install haproxy)"
@@ -78,7 +79,7 @@ async def test_backend_is_down_from_the_crash_until_every_restarted_rank_progres
         try:
             async with anyio.create_task_group() as tg:
                 assert proxy.stdout is not None
-                tg.start_soon(_pump, proxy.stdout, lines)
+                tg.start_soon(pump, proxy.stdout, lines)
                 with anyio.fail_after(60):  # until DOWN after the crash, then UP
                     while not _recovered(seen, _crash_time(wlog)):
                         m = STATE.search((await lines.expect(STATE.pattern, 60)).string)

@@ -19,8 +19,10 @@ import anyio
 import psutil
 import pytest
 
-from tests.conftest import FAKE_WORKER, REPO, Supervised, pid_alive, supervisor, wait_dead
-from tests.etcd_server import etcd_factory
+from tests.support.daemon import Supervised, supervisor
+from tests.support.etcd import etcd_factory
+from tests.support.paths import FAKE_WORKER, REPO
+from tests.support.processes import pid_alive, wait_dead
 
 LOAD = ["--health-port", "0", "--health-host", "127.0.0.1", "--nproc-per-node", "4",
         "--tee", "3", "--shutdown-timeout", "5"]

@@ -7,7 +7,8 @@ import signal
 import time
 from pathlib import Path
 
-from tests.conftest import FAKE_WORKER, supervisor
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER
 
 
 def events(log_dir: Path) -> list[dict[str, object]]:

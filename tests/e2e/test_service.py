@@ -9,8 +9,6 @@ import re
 import shutil
 import signal
 import site
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -21,8 +19,11 @@ import aiohttp
 import anyio
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import deps
-from tests.conftest import FAKE_WORKER, REPO, Supervised, supervisor, wait_dead
+from tests.support import deps
+from tests.support.daemon import Supervised, supervisor
+from tests.support.notify import notify_socket, receive_notification
+from tests.support.paths import FAKE_WORKER, REPO
+from tests.support.processes import wait_dead
 
 
 async def health_url(sup: Supervised) -> str:
@@ -68,32 +69,14 @@ async def test_readyz_follows_the_run_through_a_restart(tmp_path: Path) -> None:
         assert await sup.wait() == 128 + signal.SIGTERM
 
 
-def _notify_socket(path: Path) -> socket.socket:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-    sock.bind(str(path))
-    return sock
 
 
-async def _receive(sock: socket.socket) -> tuple[int, str]:
-    """One datagram and the sender's pid (SCM_CREDENTIALS)."""
-    while True:
-        await anyio.wait_readable(sock)
-        try:
-            data, ancdata, _flags, _addr = sock.recvmsg(4096, socket.CMSG_SPACE(12))
-        except BlockingIOError:
-            continue
-        pid = 0
-        for level, kind, cdata in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
-                pid = struct.unpack("iII", cdata[:12])[0]
-        return pid, data.decode()
 
 
 async def test_sd_notify_ready_status_watchdog_stopping(tmp_path: Path) -> None:
     env_dir = tmp_path / "env"
     env_dir.mkdir()
-    sock = _notify_socket(tmp_path / "notify")
+    sock = notify_socket(tmp_path / "notify")
     args = ["--health-port", "0", "--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"),
             FAKE_WORKER, "--dump-env", str(env_dir), "--hang"]
     env = {"NOTIFY_SOCKET": str(tmp_path / "notify"), "WATCHDOG_USEC": "400000"}
@@ -102,7 +85,7 @@ async def test_sd_notify_ready_status_watchdog_stopping(tmp_path: Path) -> None:
             seen: list[str] = []
             with anyio.fail_after(15):
                 while not any("READY=1" in m for m in seen):
-                    pid, message = await _receive(sock)
+                    pid, message = await receive_notification(sock)
                     assert pid == sup.pid  # only the supervisor itself talks to systemd
                     seen.append(message)
             assert "running attempt 0" in "".join(seen)  # attempt_0, the first
@@ -111,7 +94,7 @@ async def test_sd_notify_ready_status_watchdog_stopping(tmp_path: Path) -> None:
             pings = 0
             with anyio.fail_after(5):
                 while pings < 3:
-                    pid, message = await _receive(sock)
+                    pid, message = await receive_notification(sock)
                     assert pid == sup.pid
                     pings += "WATCHDOG=1" in message
             for _ in range(2):
@@ -119,7 +102,7 @@ async def test_sd_notify_ready_status_watchdog_stopping(tmp_path: Path) -> None:
             sup.signal(signal.SIGTERM)
             with anyio.fail_after(10):
                 while True:
-                    pid, message = await _receive(sock)
+                    pid, message = await receive_notification(sock)
                     if "STOPPING=1" in message:
                         break
             assert await sup.wait() == 128 + signal.SIGTERM
@@ -129,7 +112,7 @@ async def test_sd_notify_ready_status_watchdog_stopping(tmp_path: Path) -> None:
 
 
 async def test_no_ready_on_bad_config(tmp_path: Path) -> None:
-    sock = _notify_socket(tmp_path / "notify")
+    sock = notify_socket(tmp_path / "notify")
     with sock:
         async with supervisor(["--health-port", "0", "--nnodes", "x", FAKE_WORKER],
                               env={"NOTIFY_SOCKET": str(tmp_path / "notify")}) as sup:

@@ -18,8 +18,9 @@ from typing import Any
 import aiohttp
 import anyio
 
-from tests.conftest import FAKE_WORKER, supervisor
-from tests.tmpfs import fill, small_tmpfs
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER
+from tests.support.tmpfs import fill, small_tmpfs
 
 
 def records(path: Path) -> list[dict[str, Any]]:

@@ -13,8 +13,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests import deps
-from tests.conftest import REPO, supervisor
+from tests.support import deps
+from tests.support.daemon import supervisor
+from tests.support.paths import REPO
 
 deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
 pytestmark = pytest.mark.torch
@@ -97,8 +98,7 @@ async def test_hung_rank_is_caught_by_its_deadline_and_the_job_resumes(tmp_path:
 
 @pytest.mark.etcd
 async def test_two_nodes_over_etcd_train_like_one_group(tmp_path: Path) -> None:
-    from tests.etcd_server import etcd_factory
-
+    from tests.support.etcd import etcd_factory
     (tmp_path / "etcd").mkdir()
     with etcd_factory(tmp_path / "etcd") as factory:
         server = factory.single()

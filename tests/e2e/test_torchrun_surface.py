@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import FAKE_WORKER, supervisor
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER
 
 BASE = ["--health-port", "0", "--shutdown-timeout", "5"]
 

@@ -23,7 +23,8 @@ import pytest
 
 from supervisor.core.envs import PER_ATTEMPT_ENV
 from supervisor.workers.standby import env_mismatch, standby_env
-from tests.conftest import FAKE_WORKER, TESTS, supervisor
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER, TESTS
 
 PROBE = str(TESTS / "workers" / "probe_main.py")
 BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug"]

@@ -15,7 +15,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.conftest import FAKE_WORKER, TESTS, pid_alive, supervisor, wait_dead
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER, TESTS
+from tests.support.processes import pid_alive, wait_dead
 
 PROBE = str(TESTS / "workers" / "probe_main.py")
 BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -22,7 +21,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests import deps
+from tests.support import deps
+from tests.support.ports import free_port
 
 HEALTH_TIMEOUT = 15.0
 STOP_GRACE = 5.0
@@ -32,13 +32,6 @@ PORT_ATTEMPTS = 3  # cluster starts before a port taken meanwhile fails the test
 def etcd_binary() -> str:
     """Path of ``etcd``; skip (or fail under .ci/run) when it is not installed."""
     return deps.need_binary("etcd")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import re
 import shlex
 from pathlib import Path
 
-LINES = Path(__file__).parent / "data" / "torchrun_command_lines.txt"
+LINES = Path(__file__).resolve().parent.parent / "data" / "torchrun_command_lines.txt"
 PLACEHOLDERS = {
     "NUM_TRAINERS": "4", "NUM_NODES": "2", "MIN_SIZE": "1", "MAX_SIZE": "4",
     "JOB_ID": "job42", "NODE_RANK": "0", "HOST_NODE_ADDR": "node1.example.com:29400",

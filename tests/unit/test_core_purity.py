@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ast
-from pathlib import Path
+
+from tests.support.paths import REPO
 
 FORBIDDEN = {"anyio", "aiohttp", "psutil", "asyncio", "socket", "subprocess", "trio"}
-CORE = Path(__file__).parent.parent / "supervisor" / "core"
+CORE = REPO / "supervisor" / "core"
 
 
 def test_core_imports_no_io_frameworks() -> None:

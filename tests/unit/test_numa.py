@@ -20,7 +20,7 @@ from supervisor.core.numa import (
     rank_nodes,
 )
 from supervisor.workers.topology import cpus_for, read_topology
-from tests.conftest import supervisor
+from tests.support.daemon import supervisor
 
 # ----------------------------------------------------------------------------- fixtures
 #

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from supervisor.cli import _run_parser, parse_run_args
-from tests import deps
-from tests.torchrun_lines import command_lines
+from tests.support import deps
+from tests.support.torchrun_lines import command_lines
 
 deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
 pytestmark = pytest.mark.torch
