@@ -393,6 +393,7 @@ async def test_etcd_down_longer_than_the_lease_ttl_is_ridden_out(
     assert len(warned) == 3  # once per agent (each has its own client)
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 @etcd
 async def test_etcd_frozen_longer_than_the_lease_ttl_restores_keys_and_changes_nothing(
         server: EtcdMember) -> None:
@@ -482,6 +483,7 @@ async def test_etcd_quorum_loss_for_30s_changes_nothing(factory: EtcdFactory) ->
         await ride_out(rdzvs[:2], rdzvs[2], lambda: quorum_loss(members, 30), quiet=4)
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 @etcd
 async def test_all_etcd_members_frozen_longer_than_the_lease_ttl_change_nothing(
         factory: EtcdFactory) -> None:

@@ -198,6 +198,7 @@ async def freeze_and_check(tmp_path: Path) -> None:
     assert "group_stopping" not in kinds or kinds.count("group_started") == 1
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 async def test_frozen_supervisor_keeps_healthy_workers(tmp_path: Path) -> None:
     await freeze_and_check(tmp_path)
 

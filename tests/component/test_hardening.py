@@ -309,6 +309,7 @@ def test_cap_text_keeps_short_text_and_marks_what_it_cut() -> None:
     assert len(capped) <= 100 and capped.endswith("[964 more characters cut]")
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 async def test_daemon_answers_healthz_with_70_idle_connections_open(tmp_path: Path) -> None:
     """Item 3 through the real daemon: 70 idle connections, then /healthz is 200 at once."""
     args = ["--health-port", "0", "--health-host", "127.0.0.1", "--log-dir", str(tmp_path),

@@ -404,6 +404,7 @@ async def receive_ping(notify: NotifySocket) -> float:
     return anyio.current_time()
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 async def test_watchdog_pings_every_half_timeout_from_our_pid(
     notify_socket: NotifySocket, make_notifier: Callable[..., Notifier]
 ) -> None:

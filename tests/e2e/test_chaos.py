@@ -18,6 +18,9 @@ import pytest
 
 from tests.support.paths import REPO
 
+# timing bounds against the workers' clocks: run one at a time on one xdist worker
+pytestmark = pytest.mark.xdist_group("load")
+
 DESTRUCTIVE = ("crash", "sigkill", "hang", "sigstop", "sigstop+crash", "guardian-stop")
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import anyio
+import pytest
 
 from tests.support.daemon import supervisor
 from tests.support.paths import FAKE_WORKER, REPO
@@ -257,6 +258,7 @@ def test_no_python_command_runs_directly(tmp_path: Path) -> None:
     assert os.path.exists(tmp_path / "none" / "events.jsonl")
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 async def test_supervisor_stays_responsive_after_many_quick_restarts(tmp_path: Path) -> None:
     args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "10", "--log-dir", str(tmp_path),
             FAKE_WORKER, "--exit", "5", "--fail-rank", "0", "--fail-attempts", "10"]

@@ -180,6 +180,7 @@ async def test_three_nodes_form_one_group_and_succeed_together(
 # ---------------------------------------------------------------------- 2. scale-up
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 @etcd
 async def test_fourth_node_joins_and_every_agent_restarts_into_a_four_node_round(
         tmp_path: Path, server: EtcdMember) -> None:
@@ -205,6 +206,7 @@ async def test_fourth_node_joins_and_every_agent_restarts_into_a_four_node_round
 # ---------------------------------------------------------------------- 3. node loss
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 @etcd
 async def test_sigkilled_agent_is_dropped_and_survivors_reform_within_lease_ttl(
         tmp_path: Path, server: EtcdMember) -> None:
@@ -368,6 +370,7 @@ async def test_losing_one_member_of_a_three_member_etcd_restarts_nothing(
         await assert_still_coordinated(job, a, b)
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 @etcd
 async def test_etcd_frozen_for_less_than_the_lease_ttl_restarts_nothing(
         tmp_path: Path, server: EtcdMember) -> None:
@@ -411,6 +414,7 @@ async def test_watch_ended_by_a_stopping_etcd_is_resumed_without_restarting(
     assert restarts == [0, 0]
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 @etcd
 async def test_etcd_restarted_within_the_lease_ttl_restarts_nothing(
         tmp_path: Path, server: EtcdMember) -> None:

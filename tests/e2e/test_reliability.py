@@ -24,6 +24,9 @@ from tests.support.etcd import etcd_factory
 from tests.support.paths import FAKE_WORKER, REPO
 from tests.support.processes import pid_alive, wait_dead
 
+# timing bounds against the workers' clocks: run one at a time on one xdist worker
+pytestmark = pytest.mark.xdist_group("load")
+
 LOAD = ["--health-port", "0", "--health-host", "127.0.0.1", "--nproc-per-node", "4",
         "--tee", "3", "--shutdown-timeout", "5"]
 
