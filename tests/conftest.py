@@ -97,7 +97,7 @@ _DEPENDENCY_SKIP = re.compile(
 
 def _fail_dependency_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
     """Under ELASTIC_SUPERVISOR_REQUIRE_DEPS=1 no dependency skip passes, even one made by
-    a bare ``pytest.importorskip`` or ``pytest.skip`` that bypassed tests/deps.py."""
+    a bare ``pytest.importorskip`` or ``pytest.skip`` that bypassed tests/support/deps.py."""
     if not (report.skipped and deps.required()) or hasattr(report, "wasxfail"):
         return
     longrepr = report.longrepr

@@ -27,7 +27,7 @@ from supervisor.rendezvous.etcd import (
 )
 from supervisor.rendezvous.etcd_client import EtcdClient
 from tests.support.etcd import EtcdFactory, EtcdMember
-from tests.support.paths import REPO
+from tests.support.paths import REPO, WORKERS
 from tests.support.ports import free_port
 
 etcd = pytest.mark.etcd
@@ -152,20 +152,7 @@ async def test_revoked_lease_makes_others_see_a_lost_member(server: EtcdMember) 
     assert own == "node(s) lost: node-2" or "lease was lost" in own
 
 
-CRASHING_AGENT = """
-import sys, anyio
-from supervisor.rendezvous.etcd import EtcdRendezvousConfig, open_etcd_rendezvous
-
-async def main() -> None:
-    cfg = EtcdRendezvousConfig(endpoints=(sys.argv[1],), run_id="job", min_nodes=3,
-                               max_nodes=3, node_id="doomed", lease_ttl=1, join_timeout=20)
-    async with open_etcd_rendezvous(cfg) as rdzv:
-        await rdzv.next_round(1)
-        print("joined", flush=True)
-        await anyio.sleep_forever()
-
-anyio.run(main)
-"""
+CRASHING_AGENT = (WORKERS / "crashing_etcd_agent.py").read_text()
 
 
 @etcd

@@ -24,21 +24,11 @@ from supervisor.health.looplag import LoopLag, Stall
 from supervisor.health.metrics import Metrics
 from supervisor.watchdog.timers import WatchdogConfig
 from tests.support.daemon import supervisor
+from tests.support.paths import WORKERS
 from tests.support.processes import pid_alive
 from tests.support.watchdog import post, request, running_watchdog
 
-RENEW = """
-import os, sys, time
-from supervisor.worker import expires
-rank = int(os.environ["RANK"])
-os.write(1, f"ready {rank} {os.getpid()} {os.environ['TORCHELASTIC_RESTART_COUNT']}\\n".encode())
-step = 0
-while True:
-    with expires(after=3.0, scope="step"):
-        time.sleep(1.0)
-    step += 1
-    os.write(1, f"step {rank} {step} {time.time():.3f}\\n".encode())
-"""
+RENEW = (WORKERS / "renewing_worker.py").read_text()
 
 FREEZE = 5.0  # seconds the supervisor is stopped: longer than the 3 s deadlines
 

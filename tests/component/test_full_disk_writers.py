@@ -16,6 +16,7 @@ from supervisor.events import MAX_PENDING, EventLog
 from supervisor.health.metrics import Metrics
 from supervisor.workers.output import LogFile, OutputLoss
 from tests.support.daemon import supervisor
+from tests.support.paths import WORKERS
 from tests.support.tmpfs import fill, small_tmpfs
 
 MARKER = re.compile(rb"\[elastic-supervisor: (\d+) bytes of output lost here: ([^\]]+)\]\n")
@@ -164,15 +165,7 @@ def test_metrics_export_dropped_and_pending_events(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ the real daemon
 
-TICKER = """
-import os, time
-os.write(1, b"ready\\n")
-i = 0
-while True:
-    os.write(1, f"tick {i}\\n".encode() * 20)
-    i += 1
-    time.sleep(0.02)
-"""
+TICKER = (WORKERS / "ticker.py").read_text()
 
 
 async def test_daemon_marks_worker_output_lost_on_a_full_log_disk(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from supervisor.workers.attemptdir import MAX_SKIPPED, create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
 from tests.support.daemon import supervisor
 from tests.support.health import Harness, make_snapshot, running_server
-from tests.support.paths import FAKE_WORKER
+from tests.support.paths import FAKE_WORKER, WORKERS
 from tests.support.tmpfs import small_tmpfs
 
 
@@ -104,19 +104,7 @@ def test_error_file_that_is_not_regular_is_never_opened(tmp_path: Path, kind: st
         assert opens() == 0
 
 
-SYMLINKED_ERROR_FILE = """
-import json, os, sys
-secret = sys.argv[1]
-with open(secret, "w") as f:
-    json.dump({"message": {"message": "RuntimeError: planted-secret-text",
-                           "extraInfo": {"py_callstack": "", "timestamp": "0"}}}, f)
-path = os.environ["TORCHELASTIC_ERROR_FILE"]
-if sys.argv[2] == "symlink":
-    os.symlink(secret, path)
-else:
-    os.replace(secret, path)
-sys.exit(3)
-"""
+SYMLINKED_ERROR_FILE = (WORKERS / "symlinked_error_file.py").read_text()
 
 
 @pytest.mark.parametrize("kind", ["symlink", "regular"])

@@ -40,7 +40,7 @@ from supervisor.rendezvous.static import StaticRendezvous
 from tests.support.daemon import supervisor
 from tests.support.etcd import etcd_binary
 from tests.support.nodes import LOCAL, SHOWN, Env, Node, assert_one_group, stop_all
-from tests.support.paths import FAKE_WORKER, REPO
+from tests.support.paths import FAKE_WORKER, REPO, WORKERS
 from tests.support.ports import free_port
 from tests.support.processes import wait_dead
 from tests.support.torchrun_lines import command_lines
@@ -165,7 +165,8 @@ async def test_a_node_started_before_the_host_waits_for_it(tmp_path: Path) -> No
     async with c10d_job(tmp_path) as job:
         line = dash_line(job.run_id, "2", f"localhost:{job.port}")
         early = await job.start(line, conf="is_host=0")
-        await early.sup.err.expect(r"etcd not reachable yet, retrying until join_timeout")
+        await early.sup.err.expect(r"etcd not reachable yet, retrying until join_timeout",
+                                  timeout=30)
         host = await job.start(line)
         assert_one_group(await groups([early, host], 2 * LOCAL), 2)
         assert job.hosts() == [host]
@@ -217,22 +218,6 @@ async def test_sigkilled_host_stops_the_other_node_within_the_bound_naming_the_h
 # ---------------------------------------------------------------------- a real torch job
 
 
-DDP_RAISE_ONCE = """
-import os, sys
-sys.path.insert(0, {examples!r})
-import ddp_train
-
-def inject_faults(args, step, rank):
-    # an exception on one rank, on the first attempt only
-    if (rank == args.fault_rank and step == args.raise_at
-            and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"):
-        raise RuntimeError(f"injected failure at step {{step}}")
-
-ddp_train.inject_faults = inject_faults
-ddp_train.main()
-sys.stdout.flush()
-os._exit(0)
-"""
 
 
 async def run_ddp_job(root: Path, script: Path,
@@ -259,8 +244,7 @@ async def run_ddp_job(root: Path, script: Path,
 async def test_gloo_job_across_two_c10d_nodes_survives_an_exception_with_the_same_result(
         tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="pip install torch to run the gloo job")
-    script = tmp_path / "ddp_raise_once.py"
-    script.write_text(DDP_RAISE_ONCE.format(examples=str(REPO / "examples")))
+    script = WORKERS / "ddp_raise_once.py"
     plain_codes, plain_restarts, plain = await run_ddp_job(tmp_path / "plain", script, [])
     codes, restarts, faulty = await run_ddp_job(tmp_path / "faulty", script,
                                                 ["--raise-at", "50", "--fault-rank", "1"])
@@ -449,7 +433,8 @@ async def test_a_stop_signal_while_waiting_for_the_host_exits_cleanly(
     args = [*line, "--rdzv-conf", "is_host=0,read_timeout=1", "--health-port", "0",
             "--log-dir", str(tmp_path), FAKE_WORKER]
     async with supervisor(args) as sup:
-        await sup.err.expect(r"etcd not reachable yet, retrying until join_timeout")
+        await sup.err.expect(r"etcd not reachable yet, retrying until join_timeout",
+                             timeout=30)
         sup.signal(signum)
         assert await sup.wait(timeout=15) == 128 + signum
     assert "Traceback" not in sup.err.text() and "Unclosed" not in sup.err.text()

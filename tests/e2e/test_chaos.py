@@ -3,7 +3,7 @@ for 20 s must leave zero violations. The long run is an explicit command:
 
     python benchmarks/chaos.py --seconds 600
 
-or ``pytest -m slow tests/test_chaos.py`` for a 5-minute soak.
+or ``pytest -m slow tests/e2e/test_chaos.py`` for a 5-minute soak.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import anyio
 import pytest
 
 from tests.support.daemon import supervisor
-from tests.support.paths import FAKE_WORKER, REPO, TESTS
+from tests.support.paths import FAKE_WORKER, REPO, TESTS, WORKERS
 from tests.support.processes import wait_dead
 
 OLD = TESTS / "data" / "old-setpriv"
@@ -29,15 +29,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 # a process that spawns one sleeping worker the way the supervisor does, then waits
-PARENT = """
-import os, sys, time
-from supervisor.workers.spawn import DeathSignal, WorkerSpec, spawn_worker
-death = DeathSignal()
-spec = WorkerSpec(0, 0, [sys.executable, "-c", "import time; time.sleep(600)"], dict(os.environ))
-worker = spawn_worker(spec, death)
-os.write(1, f"{death.kind} {worker.pid}\\n".encode())
-time.sleep(600)
-"""
+PARENT = (WORKERS / "death_signal_parent.py").read_text()
 
 
 def with_old_setpriv() -> dict[str, str]:

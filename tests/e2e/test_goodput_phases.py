@@ -20,7 +20,7 @@ import pytest
 
 from tests.support.daemon import supervisor
 from tests.support.goodput import WORKER, first_posts, read_jsonl
-from tests.support.paths import TESTS
+from tests.support.paths import TESTS, WORKERS
 
 # timing bounds against the workers' clocks: run one at a time on one xdist worker
 pytestmark = pytest.mark.xdist_group("load")
@@ -111,22 +111,7 @@ async def test_ranks_without_progress_signal_are_recorded_as_such(tmp_path: Path
     assert rec["recovered"] is True
 
 
-PRINTER = """
-import json, os, sys, time
-rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-time.sleep(0.8)  # start-up, silent
-t = time.time()
-os.write(1, f"step 0 rank {rank}\\n".encode())  # first output line: progress (no deadlines)
-with open(sys.argv[1], "a") as f:
-    f.write(json.dumps({"rank": rank, "attempt": attempt, "event": "line", "t": t}) + "\\n")
-if rank == 1 and attempt == 0:
-    time.sleep(0.3)
-    with open(sys.argv[1], "a") as f:
-        f.write(json.dumps({"rank": rank, "attempt": attempt, "event": "exit",
-                            "t": time.time()}) + "\\n")
-    os._exit(3)
-time.sleep(1.5)
-"""
+PRINTER = (WORKERS / "printer.py").read_text()
 
 
 async def test_first_output_line_is_progress_for_ranks_without_deadlines(tmp_path: Path) -> None:

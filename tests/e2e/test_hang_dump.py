@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.watchdog.escalate import CAP_SYS_PTRACE, find_py_spy, ptrace_refusal
 from tests.support.daemon import supervisor
-from tests.support.paths import REPO
+from tests.support.paths import REPO, WORKERS
 
 VENV_BIN = Path(sys.executable).parent
 WAIT = 30.0
@@ -24,17 +24,7 @@ needs_py_spy = pytest.mark.skipif(
            "(pip install 'elastic-supervisor[hang-dump]')",
 )
 
-HUNG = """
-import os, time
-from supervisor.worker import expires
-
-def stuck_in_the_named_function():
-    with expires(after=0.5, scope="step"):
-        os.write(1, f"ready {os.getpid()}\\n".encode())
-        time.sleep(3600)
-
-stuck_in_the_named_function()
-"""
+HUNG = (WORKERS / "hung_for_dump.py").read_text()
 
 
 def bare_env() -> dict[str, str]:

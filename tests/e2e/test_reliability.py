@@ -21,7 +21,7 @@ import pytest
 
 from tests.support.daemon import Supervised, supervisor
 from tests.support.etcd import etcd_factory
-from tests.support.paths import FAKE_WORKER, REPO
+from tests.support.paths import FAKE_WORKER, REPO, WORKERS
 from tests.support.processes import pid_alive, wait_dead
 
 # timing bounds against the workers' clocks: run one at a time on one xdist worker
@@ -213,18 +213,7 @@ async def test_unusable_timer_file_is_one_line_usage_error(tmp_path: Path, where
     assert (code, len(sup.err.lines)) == (2, 1), sup.err.text()
 
 
-BAD_ERROR_FILE = """
-import os, sys
-path = os.environ["TORCHELASTIC_ERROR_FILE"]
-if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
-    if sys.argv[1] == "nested":
-        with open(path, "w") as f:
-            f.write("[" * 100000)
-    else:
-        os.mkfifo(path)
-    sys.exit(3)
-os.write(1, b"second attempt\\n")
-"""
+BAD_ERROR_FILE = (WORKERS / "bad_error_file.py").read_text()
 
 
 @pytest.mark.parametrize("kind", ["nested", "fifo"])

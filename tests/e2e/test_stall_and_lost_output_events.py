@@ -19,7 +19,7 @@ import aiohttp
 import anyio
 
 from tests.support.daemon import supervisor
-from tests.support.paths import FAKE_WORKER
+from tests.support.paths import FAKE_WORKER, WORKERS
 from tests.support.tmpfs import fill, small_tmpfs
 
 
@@ -55,15 +55,7 @@ async def test_a_frozen_daemon_writes_a_loop_stall_event_and_counts_it(tmp_path:
     assert "elastic_supervisor_event_loop_stalls_total 1.0" in text
 
 
-TICKER = """
-import os, time
-os.write(1, b"ready\\n")
-i = 0
-while True:
-    os.write(1, f"tick {i}\\n".encode() * 20)
-    i += 1
-    time.sleep(0.02)
-"""
+TICKER = (WORKERS / "ticker.py").read_text()
 
 
 

@@ -11,16 +11,12 @@ from typing import Any
 import pytest
 
 from tests.support.daemon import supervisor
-from tests.support.paths import FAKE_WORKER
+from tests.support.paths import FAKE_WORKER, WORKERS
 
 BASE = ["--health-port", "0", "--shutdown-timeout", "5"]
 
 # a worker that says who it is in one write (lines of two ranks never interleave)
-REPORT = """\
-import os, sys
-line = " ".join(["report", __name__, os.environ["RANK"], *sys.argv[1:]])
-os.write(1, (line + "\\n").encode())
-"""
+REPORT = (WORKERS / "surface_report.py").read_text()
 
 
 def dumped_envs(out: Path, nproc: int) -> dict[int, dict[str, Any]]:

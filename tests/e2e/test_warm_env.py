@@ -24,18 +24,12 @@ import pytest
 from supervisor.core.envs import PER_ATTEMPT_ENV
 from supervisor.workers.standby import env_mismatch, standby_env
 from tests.support.daemon import supervisor
-from tests.support.paths import FAKE_WORKER, TESTS
+from tests.support.paths import FAKE_WORKER, TESTS, WORKERS
 
 PROBE = str(TESTS / "workers" / "probe_main.py")
 BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug"]
 
-SITECUSTOMIZE = '''\
-import os, site
-if "LOCAL_RANK" in os.environ:  # a worker or a standby, not the supervisor itself
-    os.environ.setdefault("SITE_SETDEFAULT", "lr" + os.environ["LOCAL_RANK"])
-    os.environ["SITE_SAW_RANK"] = os.environ.get("RANK", "unset")
-    site.addsitedir(os.path.join(os.path.dirname(__file__), "pthdir"))
-'''
+SITECUSTOMIZE = (WORKERS / "warm_sitecustomize.py").read_text()
 PTH = 'import os; os.environ.setdefault("PTH_SEEN", os.environ.get("LOCAL_RANK", "none"))\n'
 PRELOAD_C = r'''
 #include <stdlib.h>
@@ -207,23 +201,7 @@ def test_env_mismatch_names_the_variable_that_differs(
 
 
 # ---------------------------------------------------------------------- --preload auto
-AUTO_JOB = '''\
-import json, os, sys, time
-start_modules = sorted(sys.modules)
-import psutil, rankreader_local, rankreader_pkg
-restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-out = sys.argv[1]
-with open(os.path.join(out, f"{restart}.json.tmp"), "w") as f:
-    json.dump({"modules": start_modules, "pkg": rankreader_pkg.RANK_AT_IMPORT,
-               "local": rankreader_local.RANK_AT_IMPORT, "rank": os.environ["RANK"]}, f)
-os.replace(os.path.join(out, f"{restart}.json.tmp"), os.path.join(out, f"{restart}.json"))
-print(f"recorded {restart}", flush=True)
-gate = os.path.join(out, f"go{restart}")
-deadline = time.monotonic() + 120
-while not os.path.exists(gate) and time.monotonic() < deadline:
-    time.sleep(0.01)
-sys.exit(1 if restart < 2 else 0)
-'''
+AUTO_JOB = (WORKERS / "auto_preload_job.py").read_text()
 RANKREADER_LOCAL = 'import os\nRANK_AT_IMPORT = os.environ.get("RANK", "unset")\n'
 
 

@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from tests.support.daemon import supervisor
-from tests.support.paths import FAKE_WORKER, TESTS
+from tests.support.paths import FAKE_WORKER, TESTS, WORKERS
 from tests.support.processes import pid_alive, wait_dead
 
 PROBE = str(TESTS / "workers" / "probe_main.py")
@@ -161,12 +161,7 @@ PATIENT = [sys.executable, "-c",
 # A preload that takes as long as the test wants. PRELOAD_GATE is a FIFO: opening it to
 # read returns once the test opens it to write. With PRELOAD_STARTED (a FIFO too) it first
 # tells the test that it is importing.
-GATED_PRELOAD = """\
-import os
-if os.environ.get("PRELOAD_STARTED"):
-    open(os.environ["PRELOAD_STARTED"], "w").close()
-open(os.environ["PRELOAD_GATE"]).close()
-"""
+GATED_PRELOAD = (WORKERS / "gated_preload.py").read_text()
 
 
 def _open_gate(fifo: Path) -> None:

@@ -5,7 +5,7 @@ until ``/health`` answers (the one acceptable poll: waiting for a server to come
 and stops everything it started: SIGTERM, then SIGKILL after 5 s.
 
 Missing ``etcd`` skips the test, or fails it under ELASTIC_SUPERVISOR_REQUIRE_DEPS=1
-(``.ci/run`` installs etcd-server and sets it): see tests/deps.py.
+(``.ci/run`` installs etcd-server and sets it): see tests/support/deps.py.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from supervisor.core.numa import (
 )
 from supervisor.workers.topology import cpus_for, read_topology
 from tests.support.daemon import supervisor
+from tests.support.paths import WORKERS
 
 # ----------------------------------------------------------------------------- fixtures
 #
@@ -281,12 +282,7 @@ def test_impossible_binding_is_a_config_error(tmp_path: Path) -> None:
 
 # ----------------------------------------------------------------------------- end to end
 
-REPORT_AFFINITY = """\
-import json, os, sys
-path = os.path.join(sys.argv[1], os.environ["LOCAL_RANK"] + ".json")
-with open(path, "w") as f:
-    json.dump(sorted(os.sched_getaffinity(0)), f)
-"""
+REPORT_AFFINITY = (WORKERS / "report_affinity.py").read_text()
 
 
 @pytest.mark.parametrize("mode", ["node", "exclusive"])
