@@ -10,6 +10,7 @@ import anyio
 
 
 def notify_socket(path: Path) -> socket.socket:
+    """A datagram socket at ``path`` that learns each sender's pid, like systemd's."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
     sock.bind(str(path))

@@ -20,10 +20,57 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from supervisor.core.deadlines import TimerRequest, encode_request
 from supervisor.core.snapshot import ProgressTable
 from supervisor.core.state import DeadlineExpired
-from supervisor.watchdog.timers import (
-    Watchdog,
-    WatchdogConfig,
-)
+from supervisor.watchdog.timers import Watchdog, WatchdogConfig
+
+WAIT = 15.0  # bound on any single wait of a watchdog test
+
+
+class Recorder:
+    """A ``WatchdogMetrics`` that tests can wait on."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.rejected: Counter[str] = Counter()
+        self.expired: Counter[str] = Counter()
+        self._changed = anyio.Event()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    def request_accepted(self) -> None:
+        self.accepted += 1
+        self._notify()
+
+    def request_rejected(self, reason: str) -> None:
+        self.rejected[reason] += 1
+        self._notify()
+
+    def deadline_expired(self, outcome: str) -> None:
+        self.expired[outcome] += 1
+        self._notify()
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        with anyio.fail_after(WAIT):
+            while True:
+                changed = self._changed
+                if predicate():
+                    return
+                await changed.wait()
+
+
+@dataclass
+class Harness:
+    watchdog: Watchdog
+    metrics: Recorder
+    progress: ProgressTable
+    expired: MemoryObjectReceiveStream[DeadlineExpired]
+    fifo: Path
+    owned: dict[int, int]
+
+    async def next_expiry(self) -> DeadlineExpired:
+        with anyio.fail_after(WAIT):
+            return await self.expired.receive()
 
 
 @asynccontextmanager
@@ -32,6 +79,8 @@ async def running_watchdog(
     config: WatchdogConfig | None = None,
     owner: Callable[[int], int | None] | None = None,
 ) -> AsyncIterator[Harness]:
+    """A watchdog tailing ``fifo`` in this event loop; ``owner`` says whose pid is whose
+    (by default the ``owned`` map of the harness)."""
     owned: dict[int, int] = {}
     progress = ProgressTable()
     metrics = Recorder()
@@ -86,54 +135,3 @@ class Freezer:
 def proc_state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as f:
         return f.read().rsplit(")", 1)[1].split()[0]
-
-
-WAIT = 15.0  # bound on any single wait in this file
-
-
-class Recorder:
-    """A ``WatchdogMetrics`` that tests can wait on."""
-
-    def __init__(self) -> None:
-        self.accepted = 0
-        self.rejected: Counter[str] = Counter()
-        self.expired: Counter[str] = Counter()
-        self._changed = anyio.Event()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    def request_accepted(self) -> None:
-        self.accepted += 1
-        self._notify()
-
-    def request_rejected(self, reason: str) -> None:
-        self.rejected[reason] += 1
-        self._notify()
-
-    def deadline_expired(self, outcome: str) -> None:
-        self.expired[outcome] += 1
-        self._notify()
-
-    async def until(self, predicate: Callable[[], bool]) -> None:
-        with anyio.fail_after(WAIT):
-            while True:
-                changed = self._changed
-                if predicate():
-                    return
-                await changed.wait()
-
-
-@dataclass
-class Harness:
-    watchdog: Watchdog
-    metrics: Recorder
-    progress: ProgressTable
-    expired: MemoryObjectReceiveStream[DeadlineExpired]
-    fifo: Path
-    owned: dict[int, int]
-
-    async def next_expiry(self) -> DeadlineExpired:
-        with anyio.fail_after(WAIT):
-            return await self.expired.receive()
