@@ -17,7 +17,6 @@ from anyio.from_thread import start_blocking_portal
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from msgspec.structs import replace
-from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.core import state as sm
 from supervisor.core.policy import RestartPolicy
@@ -25,6 +24,7 @@ from supervisor.health.looplag import LoopLag
 from supervisor.health.metrics import Metrics
 from supervisor.health.server import MAX_CONNECTIONS, load_openapi, serve_health
 from tests.support.health import Harness, make_snapshot, running_server
+from tests.support.metrics import Samples, metric_samples
 
 PATHS = ["/healthz", "/readyz", "/status", "/metrics", "/openapi.json"]
 
@@ -220,15 +220,8 @@ async def raw_exchange(port: int, data: bytes) -> bytes:
 # ----------------------------------------------------------------------- metrics
 
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
-def metric_samples(text: str) -> Samples:
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
 
 
 async def scrape(client: aiohttp.ClientSession) -> Samples:

@@ -15,10 +15,10 @@ import signal
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import anyio
 
 from tests.support.daemon import supervisor
+from tests.support.metrics import metrics_text
 from tests.support.paths import FAKE_WORKER, WORKERS
 from tests.support.tmpfs import fill, small_tmpfs
 
@@ -27,10 +27,6 @@ def records(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-async def metrics_text(port: int) -> str:
-    async with (aiohttp.ClientSession() as client,
-                client.get(f"http://127.0.0.1:{port}/metrics") as resp):
-        return await resp.text()
 
 
 
