@@ -240,6 +240,7 @@ async def run_ddp_job(root: Path, script: Path,
 
 @etcd
 @pytest.mark.torch
+@pytest.mark.xdist_group("torch")  # a training job: not beside another (test_torch_jobs.py)
 @pytest.mark.timeout(400)
 async def test_gloo_job_across_two_c10d_nodes_survives_an_exception_with_the_same_result(
         tmp_path: Path) -> None:

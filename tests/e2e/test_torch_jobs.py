@@ -18,7 +18,9 @@ from tests.support.daemon import supervisor
 from tests.support.paths import REPO
 
 deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
-pytestmark = pytest.mark.torch
+# torch training jobs (gloo, several ranks) each load both cores: one at a time, so that two
+# of them never share the machine under xdist and run into the per-test timeout
+pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("torch")]
 
 TRAIN = str(REPO / "examples" / "ddp_train.py")
 STEPS = ["--steps", "120", "--checkpoint-every", "20", "--batch", "32"]
