@@ -37,7 +37,7 @@ from benchmarks.harness import (
     sched_seconds,
     uss_bytes,
 )
-from supervisor.workers.standby import is_standby_command
+from supervisor.workers.warm.standby import is_standby_command
 
 
 @dataclass(frozen=True)

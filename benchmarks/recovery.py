@@ -41,7 +41,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.harness import BIN, HERE, ensure_bytecode, free_port, launcher_env
-from supervisor.workers.standby import is_standby_command
+from supervisor.workers.warm.standby import is_standby_command
 
 JOB = HERE / "recovery_job.py"
 PHASES = ("interpreter", "import torch", "init_process_group", "DDP + first step")
