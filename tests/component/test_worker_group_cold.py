@@ -19,14 +19,14 @@ from supervisor.workers.group import WorkerGroup
 from supervisor.workers.output import OutputPlan
 from supervisor.workers.spawn import DeathSignal, Start
 from supervisor.workers.warm.pool import NullPool
+from tests.support.paths import FAKE_WORKER
 
-FAKE = str(Path(__file__).parent / "workers" / "fake_worker.py")
 ROUND = RendezvousResult(round=1, group_rank=0, group_world_size=1, rank_offset=0,
                          world_size=2, master_addr="127.0.0.1", master_port=29999)
 
 
 def _group(tmp_path: Path, args: list[str], post: list[sm.Event]) -> WorkerGroup:
-    settings = Settings(training_script=FAKE, training_script_args=args, nproc_per_node="2",
+    settings = Settings(training_script=FAKE_WORKER, training_script_args=args, nproc_per_node="2",
                         shutdown_timeout=5.0)
     return WorkerGroup(
         settings, run_id="job", events=EventLog(tmp_path / "events.jsonl", "job"),

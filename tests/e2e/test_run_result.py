@@ -11,14 +11,13 @@ import anyio
 
 from supervisor.app import supervise
 from supervisor.config import Settings
-
-FAKE = str(Path(__file__).parent / "workers" / "fake_worker.py")
+from tests.support.paths import FAKE_WORKER
 
 
 def _settings(tmp_path: Path, *args: str) -> Settings:
-    return Settings(training_script=FAKE, training_script_args=list(args), nproc_per_node="2",
-                    log_dir=str(tmp_path / "logs"), no_health=True, shutdown_timeout=5.0,
-                    no_warm_restart=True)
+    return Settings(training_script=FAKE_WORKER, training_script_args=list(args),
+                    nproc_per_node="2", log_dir=str(tmp_path / "logs"), no_health=True,
+                    shutdown_timeout=5.0, no_warm_restart=True)
 
 
 async def test_a_failed_group_returns_its_root_cause_and_exit_code(tmp_path: Path) -> None:
