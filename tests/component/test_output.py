@@ -318,6 +318,7 @@ def rank_file(log_dir: Path, attempt: int, rank: int, name: str = "stdout.log") 
     return log_dir / "none" / f"attempt_{attempt}" / str(rank) / name
 
 
+@pytest.mark.xdist_group("load")  # 800 000 lines through the console: not beside another load
 async def test_tee_keeps_lines_whole_prefixed_and_complete(tmp_path: Path) -> None:
     n = 200_000
     args = [*BASE, "--nproc-per-node", "4", "--tee", "3", "--log-dir", str(tmp_path),

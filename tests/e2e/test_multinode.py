@@ -253,6 +253,7 @@ async def test_sigterm_leaves_cleanly_and_the_others_continue(
         await stop_all(others)
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 @etcd
 async def test_node_beyond_max_waits_without_restarting_anyone_then_replaces_a_leaver(
         tmp_path: Path, server: EtcdMember) -> None:
@@ -351,6 +352,7 @@ async def test_rdzv_conf_exit_barrier_timeout_is_honoured(
 # ---------------------------------------------------------------------- 6-7. etcd outages
 
 
+@pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 @etcd
 async def test_losing_one_member_of_a_three_member_etcd_restarts_nothing(
         tmp_path: Path, factory: EtcdFactory) -> None:
