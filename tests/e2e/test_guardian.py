@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -59,12 +60,24 @@ def test_cookie_is_not_on_the_guardians_command_line() -> None:
             cmdline = f.read()
         assert cookie.encode() not in cmdline
         assert guardian._proc.poll() is None, "the guardian exited at once"
-        with open(f"/proc/{guardian.pid}/environ", "rb") as f:
-            environ = f.read().split(b"\0")
+        environ = exec_environ(guardian.pid)
         assert f"ELASTIC_SUPERVISOR_GUARDIAN_MARK={COOKIE_ENV}={cookie}".encode() in environ
         assert stat_mode(f"/proc/{guardian.pid}/environ") == 0o400  # private to its uid
     finally:
         guardian.close()
+
+
+def exec_environ(pid: int, timeout: float = 10.0) -> list[bytes]:
+    """The environment of ``pid`` once its exec is complete. Popen returns when the exec
+    passed its point of no return (the CLOEXEC pipe closed), which is before the kernel
+    has laid the new environment out: until then ``/proc/PID/environ`` reads empty."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+        if data or time.monotonic() > deadline:
+            return data.split(b"\0")
+        os.sched_yield()
 
 
 def stat_mode(path: str) -> int:
