@@ -20,7 +20,7 @@ here too (``gateway_kv``), for ``etcd_client.KeyValue.from_json``.
 
 To read a new key: define its ``Struct`` (field types with ``Meta`` bounds; a
 ``__post_init__`` for cross-field rules), add a ``Schema`` row, and call
-``decode(KIND, key, raw)``; ``tests/test_decode_fuzz.py`` fuzzes every row.
+``decode(KIND, key, raw)``; ``tests/unit/test_decode_fuzz.py`` fuzzes every row.
 """
 
 from __future__ import annotations
