@@ -40,6 +40,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
@@ -83,6 +84,7 @@ ETCD_MISSING = (
     "existing etcd cluster"
 )
 
+AUTH_GRACE = 2.0  # seconds a hosted etcd with auth on may refuse us before that is final
 AUTH_REFUSED = (
     "c10d: the hosted etcd refuses this supervisor once user auth is on ({exc}); etcd 3.4's "
     "JSON gateway refuses client certificates that carry a Common Name when auth is "
@@ -346,6 +348,7 @@ class HostedEtcd:
         """True once this server answers a read; False if it exited first. Polls: the one
         place where waiting for a server to come up has nothing to wait on."""
         assert self.popen is not None
+        refused_since: float | None = None
         async with self.client() as client:
             with anyio.fail_after(STARTUP_TIMEOUT):
                 while self.popen.poll() is None:
@@ -355,7 +358,11 @@ class HostedEtcd:
                     except EtcdUnavailable:
                         pass  # not listening yet
                     except EtcdError as exc:
-                        if self.auth_on:  # it is up, and refuses us: waiting cannot help
+                        # up, and refusing us: after a short grace (a member that just
+                        # restarted may answer oddly once), waiting cannot help
+                        now = time.monotonic()
+                        refused_since = now if refused_since is None else refused_since
+                        if self.auth_on and now - refused_since > AUTH_GRACE:
                             raise RendezvousError(AUTH_REFUSED.format(exc=exc)) from None
                     await anyio.sleep(0.02)
         return False
@@ -384,6 +391,9 @@ class HostedEtcd:
             with anyio.CancelScope(shield=True):
                 await _terminate(popen)
         self._kept = True
+        # a fresh private port: the old one is free for anyone until the restart binds it
+        # (the peer URL must stay: the member's data names it)
+        self.private = f"{self.scheme}://127.0.0.1:{_free_loopback_port()}"
 
     def failure(self) -> str:
         """The last line of the server's log (why it exited)."""
