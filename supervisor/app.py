@@ -52,6 +52,7 @@ from supervisor.events import EventLog
 from supervisor.health.looplag import LoopLag
 from supervisor.logsetup import configure_logging
 from supervisor.rendezvous.base import Rendezvous, RendezvousError
+from supervisor.rendezvous.conf import read_conf
 from supervisor.rendezvous.static import StaticRendezvous
 from supervisor.systemd import (
     NOTIFY_ENV_VARS,
@@ -148,8 +149,8 @@ def conf_barrier_timeout(settings: Settings) -> Settings:
     Call after ``make_rendezvous``, which validated the conf."""
     if settings.rdzv_backend == "static":
         return settings
-    pairs = (item.partition("=") for item in settings.rdzv_conf.split(","))
-    value = {key.strip(): raw.strip() for key, _, raw in pairs}.get("exit_barrier_timeout")
+    known = read_conf(settings.rdzv_conf, ("exit_barrier_timeout",), settings.rdzv_backend)
+    value = dict(known.items).get("exit_barrier_timeout")
     if value is None:
         return settings
     return msgspec.structs.replace(settings, exit_barrier_timeout=float(value))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import os
 import secrets
@@ -13,11 +14,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from supervisor.rendezvous.conf import RendezvousConfigError as RendezvousConfigError
+from supervisor.rendezvous.conf import read_conf
 from supervisor.rendezvous.etcd_client import TlsFiles
 
-
-class RendezvousConfigError(ValueError):
-    """A bad rendezvous setting; the message is one line meant for the user."""
+logger = logging.getLogger(__name__)
 
 
 def _default_node_id() -> str:
@@ -89,15 +90,14 @@ _NO_LIMIT = ("none", "inf", "unlimited")
 
 def parse_rdzv_conf(text: str) -> dict[str, str | int | float | None]:
     """Parse ``--rdzv-conf k=v,...`` (``timeout`` is torchrun's name for ``join_timeout``;
-    ``outage_limit=none`` means no limit)."""
+    ``outage_limit=none`` means no limit). Unknown keys are ignored with a warning, as
+    torchrun ignores them (``supervisor.rendezvous.conf``)."""
     conf: dict[str, str | int | float | None] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, raw = (x.strip() for x in item.partition("="))
-        _check(bool(sep and key), f"--rdzv-conf: expected key=value, got {item!r}")
-        kind = _CONF_KEYS.get(key)
-        _check(kind is not None,
-               f"--rdzv-conf: unknown key {key!r} (known: {', '.join(sorted(_CONF_KEYS))})")
-        conf["join_timeout" if key == "timeout" else key] = _conf_value(key, raw, kind or str)
+    read = read_conf(text, _CONF_KEYS, "etcd")
+    for warning in read.warnings:
+        logger.warning("%s", warning)
+    for key, raw in read.items:
+        conf["join_timeout" if key == "timeout" else key] = _conf_value(key, raw, _CONF_KEYS[key])
     _check(conf.get("protocol", "http") in ("http", "https"),
            f"--rdzv-conf: protocol must be http or https, got {conf.get('protocol')!r}")
     return conf
