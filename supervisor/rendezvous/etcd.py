@@ -71,6 +71,7 @@ from supervisor.rendezvous.etcd_state import (
     close_job_txn,
     round_guard,
 )
+from supervisor.rendezvous.sameid import ended_line, meet, shape_value
 
 __all__ = [
     "ROOT", "EtcdRendezvous", "EtcdRendezvousConfig", "RendezvousConfigError", "make_config",
@@ -376,6 +377,8 @@ class EtcdRendezvous:
         started = time.monotonic()
         result: RendezvousResult | None = None
         with _etcd_errors("joining a round"), self._join_deadline():
+            if self._last_round < 0 and self._joined < 0:
+                await self._arrive(local_world_size)
             result = await self._rendezvous(local_world_size, started)
         if result is None:
             raise RendezvousError(f"etcd rendezvous {self.run_id} timed out after "
@@ -384,6 +387,27 @@ class EtcdRendezvous:
                     "master %s:%d", result.round, result.duration, result.group_rank,
                     result.group_world_size, result.master_addr, result.master_port)
         return result
+
+    async def _arrive(self, lws: int) -> None:
+        """Before this node first joins: has it met another job under the same run id?
+        (``supervisor.rendezvous.sameid``) Records the job's shape if nobody did yet."""
+        state, key = self._state(), self._keys.ctl + "shape"
+        try:
+            shape = state.json(key)
+        except RendezvousError:
+            shape = None  # unreadable: no verdict from it
+        members = state.members(state.round)
+        verdict = meet(self.run_id, closed=state.closed, shape=shape,
+                       running_sizes=[m.local_world_size for m in members] if members else None,
+                       min_nodes=self.config.min_nodes, max_nodes=self.config.max_nodes,
+                       nproc_per_node=lws)
+        if verdict is not None and verdict.fatal:
+            raise RendezvousClosed(f"etcd rendezvous: {verdict.line}")
+        if verdict is not None:
+            logger.warning("etcd rendezvous: %s", verdict.line)
+        if state.kv(key) is None:
+            value = shape_value(self.config.min_nodes, self.config.max_nodes, lws)
+            await self._write([compare(key, "VERSION", "=", 0)], [put_op(key, value)])
 
     async def _describe(self) -> str:
         """Where the round stands, for a timeout message (one count request, best effort)."""
@@ -403,6 +427,8 @@ class EtcdRendezvous:
         assert self._ctl is not None
         while True:
             seen, state = self._ctl.version, self._state()
+            if state.closed is not None and self._last_round < 0:
+                raise RendezvousClosed(f"etcd rendezvous: {ended_line(self.run_id, state.closed)}")
             if state.closed is not None:
                 raise RendezvousClosed(f"job {self.run_id} is closed: {state.closed['reason']}")
             done = await self._step(state, lws)
