@@ -227,11 +227,11 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
         f"version {doc.get('version')}, up {_duration(doc.get('uptime'))})",
         f"state       {doc.get('state')}  attempt {doc.get('attempt')}, restarts "
         f"{restarts.get('used')}/{restarts.get('max')} used, {restarts.get('left')} left",
-        f"node        {doc.get('node_rank')} of {doc.get('group_world_size')}, "
-        f"world size {doc.get('world_size')} ({doc.get('local_world_size')} local)",
+        _node_line(doc, bool(members) or rdzv.get("backend") == "static"),
         f"rendezvous  {rdzv.get('backend')} round {rdzv.get('round')}, "
         f"{len(members)} member(s), took {_duration(rdzv.get('duration'))}",
     ]
+    lines.extend(_waiting_lines(rdzv.get("etcd")))
     if doc.get("status"):
         lines.append(f"status      {doc['status']}")
     failure = doc.get("last_failure")
@@ -244,6 +244,30 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
     lines.extend(_readiness_lines(doc.get("readiness")))
     lines.extend(_goodput_lines(doc.get("goodput")))
     return lines
+
+
+def _node_line(doc: dict[str, Any], in_round: bool) -> str:
+    if not in_round:  # "node 0 of 0, world size 0" said nothing
+        return f"node        not in a round yet ({doc.get('local_world_size')} local worker(s))"
+    return (f"node        {doc.get('node_rank')} of {doc.get('group_world_size')}, "
+            f"world size {doc.get('world_size')} ({doc.get('local_world_size')} local)")
+
+
+def _waiting_lines(etcd: object) -> list[str]:
+    """What the rendezvous waits for (``rendezvous.waitreport``), while it waits."""
+    waiting = etcd.get("waiting") if isinstance(etcd, dict) else None
+    if not isinstance(waiting, dict):
+        return []
+    since = waiting.get("since")
+    text = f"waiting     for {waiting.get('what')}"
+    if isinstance(since, int | float):
+        text += f" since {time.strftime('%H:%M:%S', time.localtime(since))}"
+        text += f" ({_duration(max(0.0, time.time() - since))})"
+    if waiting.get("joined") is not None:
+        text += f": {waiting.get('joined')} of {waiting.get('needed')} node(s) joined"
+    if waiting.get("max_nodes") not in (None, waiting.get("needed")):
+        text += f" (max {waiting.get('max_nodes')})"
+    return [text]
 
 
 def _readiness_lines(readiness: object) -> list[str]:

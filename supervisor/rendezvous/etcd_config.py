@@ -44,6 +44,7 @@ class EtcdRendezvousConfig:
     # Seconds etcd may stay unreachable before the rendezvous gives up (None: for as long
     # as the outage lasts; the workers run on meanwhile). c10d's hosted etcd sets a bound.
     outage_limit: float | None = None
+    wait_report_every: float = 30.0  # seconds between lines about a wait (waitreport)
     tls: TlsFiles | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
@@ -56,7 +57,7 @@ class EtcdRendezvousConfig:
         _check(1 <= self.min_nodes <= self.max_nodes,
                f"--nnodes: need 1 <= MIN <= MAX, got {self.min_nodes}:{self.max_nodes}")
         for name in ("join_timeout", "last_call_timeout", "lease_ttl", "exit_barrier_timeout",
-                     "request_timeout"):
+                     "request_timeout", "wait_report_every"):
             value = getattr(self, name)
             _check(0 < value < math.inf, f"{name} must be a positive number, got {value}")
         _check(self.outage_limit is None or 0 < self.outage_limit < math.inf,
