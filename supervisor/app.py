@@ -48,6 +48,7 @@ from supervisor.controller import (
 from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads
 from supervisor.core.snapshot import ProgressTable, Snapshot
+from supervisor.discovery import announce, local_url
 from supervisor.events import EventLog
 from supervisor.health.looplag import LoopLag
 from supervisor.logsetup import configure_logging
@@ -339,6 +340,7 @@ async def supervise(
             if sock is not None:
                 port = sock.getsockname()[1]
                 controller.health_port = port  # in the STATUS line and /status
+                announce(runtime.path, local_url(settings.health_host, port), run_id)  # status
                 logger.info("health endpoint on http://%s:%d", settings.health_host, port)
                 events.emit("health_listening", host=settings.health_host, port=port)
                 tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog)

@@ -53,6 +53,11 @@ def main_status(argv: list[str]) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if ns.rdzv_endpoint or ns.rdzv_id:
         return _job_status(ns)
+    if ns.url is None:
+        chosen = _discovered_url()
+        if chosen is None:
+            return EXIT_USAGE
+        ns.url = chosen
     try:
         url = status_url(ns.url)
     except ValueError as exc:
@@ -73,11 +78,27 @@ def main_status(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def _discovered_url() -> str | None:
+    """The one supervisor on this host (``supervisor.discovery``), else the default URL
+    when none announced itself; None after listing several (the user picks one)."""
+    from supervisor.discovery import find_supervisors
+
+    found = find_supervisors()
+    if len(found) == 1:
+        return found[0].url
+    if not found:
+        return DEFAULT_URL
+    listed = "".join(f"  --url {f.url}   pid {f.pid}, run {f.run_id}\n" for f in found)
+    sys.stderr.write(f"{PROG}: {len(found)} supervisors run on this host; pick one:\n{listed}")
+    return None
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Show the status of a running elastic-supervisor.")
     p.add_argument(
-        "--url", default=DEFAULT_URL,
-        help=f"health endpoint base URL or full /status URL (default {DEFAULT_URL})",
+        "--url", default=None,
+        help="health endpoint base URL or full /status URL (default: the supervisor running "
+             f"on this host; several: they are listed; none found: {DEFAULT_URL})",
     )
     p.add_argument("--json", action="store_true", help="print the raw JSON document")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
