@@ -78,3 +78,11 @@ def test_pytorchs_launch_elastic_command_line_runs(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in done.iterdir()) == ["0", "1"]
     assert "removed the quotes" in result.stderr
+
+
+@pytest.mark.parametrize(("key", "ours"), [("ssl_cert", "cert"), ("ca_cert", "cacert"),
+                                           ("ssl_cert_key", "key")])
+def test_torchs_etcd_v2_tls_names_are_refused_not_ignored(key: str, ours: str) -> None:
+    with pytest.raises(RendezvousConfigError, match=f"{key} is torch's etcd-v2 name; here it "
+                                                    f"is {ours}"):
+        parse_rdzv_conf(f"{key}=/etc/x.pem")

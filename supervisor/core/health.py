@@ -148,7 +148,8 @@ def ready_and_live(
     ready = readiness(snapshot, shown=shown, expected=expected, now_mono=now_mono)
     if not ready.ok:
         return ready
-    return liveness(snapshot, progress, now_mono, loop_lag, max_loop_lag=max_loop_lag)
+    live = liveness(snapshot, progress, now_mono, loop_lag, max_loop_lag=max_loop_lag)
+    return live if not live.ok else ready  # a ready body says "running", not "alive"
 
 
 # ------------------------------------------------------------------------------ status

@@ -87,6 +87,7 @@ _CONF_KEYS: dict[str, type] = {
     "outage_limit": float,
 }
 _NO_LIMIT = ("none", "inf", "unlimited")
+_TLS_RENAMED = {"ssl_cert": "cert", "ssl_cert_key": "key", "ca_cert": "cacert"}
 
 
 def parse_rdzv_conf(text: str) -> dict[str, str | int | float | None]:
@@ -94,10 +95,13 @@ def parse_rdzv_conf(text: str) -> dict[str, str | int | float | None]:
     ``outage_limit=none`` means no limit). Unknown keys are ignored with a warning, as
     torchrun ignores them (``supervisor.rendezvous.conf``)."""
     conf: dict[str, str | int | float | None] = {}
-    read = read_conf(text, _CONF_KEYS, "etcd")
+    read = read_conf(text, {**_CONF_KEYS, **_TLS_RENAMED}, "etcd")
     for warning in read.warnings:
         logger.warning("%s", warning)
     for key, raw in read.items:
+        # a TLS setting that did nothing would be worse than an error: never ignored
+        _check(key not in _TLS_RENAMED,
+               f"--rdzv-conf: {key} is torch's etcd-v2 name; here it is {_TLS_RENAMED.get(key)}")
         conf["join_timeout" if key == "timeout" else key] = _conf_value(key, raw, _CONF_KEYS[key])
     _check(conf.get("protocol", "http") in ("http", "https"),
            f"--rdzv-conf: protocol must be http or https, got {conf.get('protocol')!r}")
