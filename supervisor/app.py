@@ -289,8 +289,9 @@ async def supervise(
     goodput = GoodputRecorder(
         events, progress, started=time.monotonic(), bound=settings.progress_timeout
     )
-    # a rank's first output line is progress when it posts no deadlines (ProgressTable)
-    output.on_first_line = lambda local_rank: progress.touch_output(local_rank, time.monotonic())
+    # a line matching --progress-pattern is progress when a rank posts no deadlines
+    output.on_progress_line = lambda local_rank: progress.touch_output(local_rank,
+                                                                       time.monotonic())
     observers: list[Observer] = [_StopNotice(reporter), goodput]
     controller = Controller(
         settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,

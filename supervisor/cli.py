@@ -88,6 +88,8 @@ def _run_parser() -> argparse.ArgumentParser:
     _flag(p, "health-port", type=int, help="health endpoint port (default 29480, 0 = any)")
     _flag(p, "no-health", action="store_const", const=True, help="do not serve HTTP")
     _flag(p, "progress-timeout", type=float, help="liveness fails after this much silence (60 s)")
+    _flag(p, "progress-pattern",
+          help="regex: a worker output line matching it is progress (goodput, readiness)")
     _flag(p, "ready-when", help="launched or progress (default): when /readyz turns 200")
     _flag(p, "timer-file", help="deadline FIFO path (default: private runtime dir)")
     _flag(p, "no-watchdog", action="store_const", const=True, help="no deadline FIFO")

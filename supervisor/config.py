@@ -77,6 +77,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     health_port: int | None = None  # None: DEFAULT_HEALTH_PORT, or a free port if it is busy
     no_health: bool = False
     progress_timeout: float = 60.0
+    progress_pattern: str | None = None  # output lines that are progress (regex)
     # /readyz: 200 at launch, or only once every rank expected to progress did (health.py)
     ready_when: Literal["launched", "progress"] = "progress"
     timer_file: str | None = None
@@ -279,6 +280,11 @@ def validate(s: Settings) -> None:
         ok = all(part.isidentifier() for part in module.split("."))
         checks.append((ok, f"preload: {module!r} is not a module name (e.g. torch,torch._dynamo)"))
     checks.append((s.preload_after >= 0, "preload_after: must be >= 0 seconds"))
+    if s.progress_pattern:
+        try:
+            re.compile(s.progress_pattern)
+        except re.error as exc:
+            checks.append((False, f"progress_pattern: not a regular expression: {exc}"))
     for code in (*s.no_restart_exit_codes, *(s.restart_exit_codes or ())):
         checks.append((0 <= code <= 255, f"no_restart_exit_codes: {code} is not an exit code"))
     for ok, message in checks:

@@ -213,7 +213,8 @@ def format_job(run_id: str, rows: Sequence[dict[str, Any]], now_wall: float) -> 
     table: list[tuple[str, ...]] = [_JOB_COLUMNS]
     for row in rows:
         g = goodput_now(row, now_wall)
-        ratio = "-" if g is None else f"{100 * g['ratio']:.1f}%"
+        share = None if g is None else g["ratio"]
+        ratio = ("-" if g is None else "unknown" if share is None else f"{100 * share:.1f}%")
         lost = "-" if g is None else _duration(g["lost"])
         failure = str(row.get("last_failure") or "-")
         table.append((
@@ -306,12 +307,17 @@ def _goodput_lines(goodput: object) -> list[str]:
     if not isinstance(goodput, dict):
         return []
     ratio = goodput.get("ratio")
+    unknown = goodput.get("unknown")
+    seen = not (isinstance(unknown, int | float) and unknown > 0)
+    shown = ("unknown" if not seen else "-" if not isinstance(ratio, int | float)
+             else f"{100 * ratio:.1f}%")
     lines = [
-        f"goodput     {'-' if not isinstance(ratio, int | float) else f'{100 * ratio:.1f}%'}"
+        f"goodput     {shown}"
         f" productive of {_duration(goodput.get('wall'))} wall: start-up "
         f"{_duration(goodput.get('startup'))}, productive {_duration(goodput.get('productive'))}"
-        f", lost {_duration(goodput.get('lost'))}, idle {_duration(goodput.get('idle'))}; "
-        f"{goodput.get('failures')} failure(s), {goodput.get('restarts')} restart(s)",
+        f", lost {_duration(goodput.get('lost'))}, idle {_duration(goodput.get('idle'))}"
+        + ("" if seen else f", unknown {_duration(unknown)} (no progress signal)")
+        + f"; {goodput.get('failures')} failure(s), {goodput.get('restarts')} restart(s)",
     ]
     by_cause = goodput.get("lost_by_cause")
     lost = {k: v for k, v in by_cause.items() if v} if isinstance(by_cause, dict) else {}
@@ -364,6 +370,8 @@ def _dash(value: object) -> str:
 
 
 def _duration(seconds: object) -> str:
+    if seconds == "unknown":  # a phase no progress signal let the supervisor see
+        return "unknown"
     if not isinstance(seconds, int | float):
         return "-"
     if seconds < 1:
