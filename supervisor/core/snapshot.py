@@ -115,13 +115,17 @@ class ProgressTable:
 
     One definition of progress, used by liveness, readiness and goodput alike: a deadline
     post or heartbeat (``touch``, from the watchdog); for a rank that never posted one in
-    this run, its first output line (``touch_output``, from the output pumps, only when
-    its output passes through the supervisor). Otherwise a rank has no progress signal.
+    this run, its first output line matching ``--progress-pattern`` (``touch_output``, from
+    the output pumps, only when its output passes through the supervisor). A bare first
+    line is not progress: a real torch job prints while it starts (torch's warnings during
+    ``import torch``, a script's "starting" line; a warm standby prints at once), so it
+    would mark a rank progressing seconds before it trains. Otherwise a rank has no
+    progress signal, and goodput says "unknown" for what it cannot see.
 
     Written only by the watchdog and the output pumps; read by the health verdicts.
     ``reset`` is called by the controller when a new attempt launches so stale ranks are
     not judged. Only deadline posts age into "no progress for N s" (``view``): a rank that
-    printed one line is not expected to print more.
+    printed one matching line is not expected to print more.
     """
 
     def __init__(self) -> None:
@@ -131,9 +135,9 @@ class ProgressTable:
         self._ever: set[int] = set()  # ranks that showed progress in any attempt
         self.expected: frozenset[int] = frozenset()  # showed it in an earlier attempt
         self.attempt = 0
-        self.listener: ProgressListener | None = None
-        # also called after a rank's first progress of an attempt (no I/O: they set events)
-        self.listeners: list[Callable[[], None]] = []
+        # called with (attempt, local rank, time) at a rank's first progress of an attempt
+        # (no I/O: the goodput recorder, the warm pool's wait for every rank)
+        self.listeners: list[ProgressListener] = []
 
     def reset(self, attempt: int) -> None:
         self.attempt = attempt
@@ -149,7 +153,7 @@ class ProgressTable:
             self._shown(local_rank, now)
 
     def touch_output(self, local_rank: int, now: float) -> None:
-        """The first output line of ``local_rank`` in this attempt, read at ``now``."""
+        """A line of ``local_rank`` matching ``--progress-pattern``, read at ``now``."""
         if local_rank in self._first or local_rank in self._posters:
             return
         self._shown(local_rank, now)
@@ -157,10 +161,8 @@ class ProgressTable:
     def _shown(self, local_rank: int, now: float) -> None:
         self._first[local_rank] = now
         self._ever.add(local_rank)
-        if self.listener is not None:
-            self.listener(self.attempt, local_rank, now)
         for listener in list(self.listeners):
-            listener()
+            listener(self.attempt, local_rank, now)
 
     def count(self) -> int:
         """How many ranks of the current attempt have shown progress (of any kind)."""
