@@ -221,7 +221,7 @@ class Metrics:
         self, old: sm.State, new: sm.State, event: sm.Event, decision: sm.Decision
     ) -> None:
         """Count what one state-machine step means (called by the controller after it)."""
-        if isinstance(event, sm.WorkerExited):
+        if isinstance(event, sm.WorkerExited | sm.WorkerFailedToStart):
             self.record_worker_exit(_exit_outcome(old, event))
         if isinstance(event, sm.LaunchFailed):
             self.prepare_failures.inc()
@@ -451,7 +451,9 @@ class GoodputCollector(Collector):
         ]
 
 
-def _exit_outcome(old: sm.State, event: sm.WorkerExited) -> str:
+def _exit_outcome(old: sm.State, event: sm.WorkerExited | sm.WorkerFailedToStart) -> str:
+    if isinstance(event, sm.WorkerFailedToStart):
+        return "stopped" if old.phase is sm.Phase.STOPPING else "failed"  # as exit 127
     if event.exit_code == 0:
         return "succeeded"
     if old.phase is sm.Phase.STOPPING:
