@@ -154,6 +154,11 @@ class Metrics:
             "http_connections_evicted",
             "Health connections closed at the connection cap before sending a request.",
         )
+        # counted by the read model (it exists before the metrics): read from the snapshot
+        self._stale_events = 0
+        self.registry.register(_Pulled(lambda: [_counter_family(
+            "stale_events_dropped", "Events of an earlier attempt dropped (a late exit or "
+            "deadline of a group already replaced).", self._stale_events)]))
 
     def _make_watchdog_counters(self) -> None:
         self.watchdog_accepted = self._counter(
@@ -341,6 +346,7 @@ class Metrics:
         self.restarts_left.set(snapshot.restarts_left)
         self.world_size.set(snapshot.world_size)
         self.rendezvous_round.set(snapshot.rendezvous.round)
+        self._stale_events = snapshot.stale_events
         self.loop_lag.set(loop_lag)
         self._observe_progress(progress, now_mono)
         self.goodput.observe(snapshot.goodput, now_mono)
