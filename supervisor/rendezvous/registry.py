@@ -7,14 +7,28 @@ Each backend declares what it can do on the ``Rendezvous`` protocol (``capabilit
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from supervisor.config import ConfigError, Settings
+from supervisor.errors import ConfigError
 from supervisor.rendezvous.base import Rendezvous
 
-Factory = Callable[[Settings, str, Path], Rendezvous]
+if TYPE_CHECKING:  # config validates against BACKENDS: it imports this module
+    from supervisor.config import Settings
+
+Factory = Callable[["Settings", str, Path], Rendezvous]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One ``--rdzv-backend``: how it is built, and what the config checks for it."""
+
+    make: Factory
+    needs_endpoint: bool = False  # an existing etcd at --rdzv-endpoint
+    fixed_membership: bool = False  # nodes never join or leave: --nnodes N, --node-rank
 
 
 def _static(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
@@ -57,17 +71,23 @@ def _c10d(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
         raise ConfigError(str(exc)) from None
 
 
-# imported lazily: the static backend never imports anything of etcd
-BACKENDS: dict[str, Factory] = {"static": _static, "c10d": _c10d, "etcd": _etcd,
-                                "etcd-v2": _etcd}
+# the one list of backends (config.py validates against it). static: no server; etcd and
+# etcd-v2: an existing etcd (>= 3.4, our v3 backend for both); c10d: the endpoint's host
+# starts a single-member etcd itself. Imported lazily: static never imports etcd's code
+BACKENDS: dict[str, Backend] = {
+    "static": Backend(_static, fixed_membership=True),
+    "c10d": Backend(_c10d),
+    "etcd": Backend(_etcd, needs_endpoint=True),
+    "etcd-v2": Backend(_etcd, needs_endpoint=True),
+}
 
 
 def make_rendezvous(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
     """The configured backend; bad endpoints or conf values are one-line ConfigErrors."""
-    factory = BACKENDS.get(settings.rdzv_backend)
-    if factory is None:  # config validation lists the same names (config.RDZV_BACKENDS)
+    backend = BACKENDS.get(settings.rdzv_backend)
+    if backend is None:  # config validation refuses it first; Settings can be built unchecked
         raise ConfigError(f"rdzv_backend: unknown backend {settings.rdzv_backend!r}")
-    return factory(settings, run_id, runtime_dir)
+    return backend.make(settings, run_id, runtime_dir)
 
 
 def conf_barrier_timeout(settings: Settings, rendezvous: Rendezvous) -> Settings:
