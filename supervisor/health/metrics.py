@@ -4,9 +4,10 @@ Two kinds of series:
 
 - **Counters and histograms of events.** ``Metrics`` plugs into the code that sees them
   through the narrow seams that code already has: it is a controller ``Observer``
-  (``on_transition`` counts worker exits, failures, restarts and rendezvous rounds) and
-  a watchdog ``WatchdogMetrics`` (``request_accepted``, ``request_rejected``,
-  ``deadline_expired``). The HTTP server counts its own requests.
+  (``on_transition`` counts worker exits, failures, restarts and rendezvous rounds). The
+  HTTP server counts its own requests. Counts kept by their owners, which exist (and
+  count) before the metrics do, are read at scrape time: the watchdog's ``WatchdogStats``
+  (given at construction), loop stalls, event-log and output losses (``watch_*``).
 - **Gauges of current state** (phase, workers up, attempt, restarts, world size, loop
   lag, last progress age per rank). These are derived at scrape time from the published
   snapshot by ``observe``, so they can never drift from what ``/status`` says.
@@ -31,6 +32,7 @@ from supervisor.core import health
 from supervisor.core import state as sm
 from supervisor.core.goodput import CAUSES, Ledger, totals
 from supervisor.core.snapshot import Snapshot
+from supervisor.watchdog.timers import WatchdogStats
 
 if TYPE_CHECKING:
     from supervisor.workers.spawn import Start
@@ -91,16 +93,29 @@ def _counter_family(name: str, doc: str, value: float) -> Metric:
     return CounterMetricFamily(f"{NAMESPACE}_{name}", doc, value=value)
 
 
+def _labelled_counters(name: str, doc: str, label: str, values: Mapping[str, int]) -> Metric:
+    family = CounterMetricFamily(f"{NAMESPACE}_{name}", doc, labels=(label,))
+    for key, value in sorted(values.items()):
+        family.add_metric((key,), value)
+    return family
+
+
 class Metrics:
     """All metrics of one supervisor; ``render()`` gives the Prometheus text."""
 
     content_type = CONTENT_TYPE_PLAIN_0_0_4
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, *, started: float | None = None
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        started: float | None = None,
+        watchdog: WatchdogStats | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._clock = clock
+        # the watchdog's own counts (it counts before the metrics exist), else ours
+        self._watchdog = watchdog if watchdog is not None else WatchdogStats()
         # the supervisor starts in RENDEZVOUS: the first round is timed from its start
         # (``started``, when the metrics are created later and replay the transitions)
         self._rendezvous_since = clock() if started is None else started
@@ -161,15 +176,19 @@ class Metrics:
             "deadline of a group already replaced).", self._stale_events)]))
 
     def _make_watchdog_counters(self) -> None:
-        self.watchdog_accepted = self._counter(
-            "watchdog_accepted_requests", "Watchdog FIFO requests accepted."
-        )
-        self.watchdog_rejected = self._counter(
-            "watchdog_rejected_requests", "Watchdog FIFO requests dropped, by reason.", ("reason",)
-        )
-        self.deadline_expirations = self._counter(
-            "deadline_expirations", "Watchdog deadlines that expired, by outcome.", ("outcome",)
-        )
+        counts = self._watchdog
+
+        def read() -> Iterable[Metric]:
+            yield _counter_family("watchdog_accepted_requests",
+                                  "Watchdog FIFO requests accepted.", counts.accepted)
+            yield _labelled_counters("watchdog_rejected_requests",
+                                     "Watchdog FIFO requests dropped, by reason.", "reason",
+                                     counts.rejected)
+            yield _labelled_counters("deadline_expirations",
+                                     "Watchdog deadlines that expired, by outcome.", "outcome",
+                                     counts.expired)
+
+        self.registry.register(_Pulled(read))
 
     def _make_state_gauges(self) -> None:
         self.state = EnumMetric(
@@ -259,15 +278,15 @@ class Metrics:
 
     def request_accepted(self) -> None:
         """A watchdog request was accepted (it counts as worker progress)."""
-        self.watchdog_accepted.inc()
+        self._watchdog.request_accepted()
 
     def request_rejected(self, reason: str) -> None:
         """A watchdog request was dropped (malformed, oversized, unknown pid, ...)."""
-        self.watchdog_rejected.labels(reason).inc()
+        self._watchdog.request_rejected(reason)
 
     def deadline_expired(self, outcome: str) -> None:
         """A watchdog deadline expired; ``outcome`` says what became of the worker."""
-        self.deadline_expirations.labels(outcome).inc()
+        self._watchdog.deadline_expired(outcome)
 
     # ------------------------------------------------------------ direct recording
 

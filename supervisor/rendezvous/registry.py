@@ -19,7 +19,9 @@ from supervisor.rendezvous.base import Rendezvous
 if TYPE_CHECKING:  # config validates against BACKENDS: it imports this module
     from supervisor.config import Settings
 
-Factory = Callable[["Settings", str, Path], Rendezvous]
+# an etcd-based backend's notices (outage, its end, a replaced lease): ``EventLog.emit``'s shape
+EventHook = Callable[..., object]
+Factory = Callable[["Settings", str, Path, EventHook | None], Rendezvous]
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,8 @@ class Backend:
     fixed_membership: bool = False  # nodes never join or leave: --nnodes N, --node-rank
 
 
-def _static(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
+def _static(settings: Settings, run_id: str, runtime_dir: Path, on_event: EventHook | None
+            ) -> Rendezvous:
     from supervisor.rendezvous.static import StaticRendezvous
 
     return StaticRendezvous(
@@ -40,7 +43,8 @@ def _static(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
     )
 
 
-def _etcd(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
+def _etcd(settings: Settings, run_id: str, runtime_dir: Path, on_event: EventHook | None
+          ) -> Rendezvous:
     """``etcd`` and ``etcd-v2`` both use our etcd v3 backend."""
     from supervisor.rendezvous.etcd import EtcdRendezvous, RendezvousConfigError, make_config
 
@@ -51,10 +55,11 @@ def _etcd(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
         )
     except RendezvousConfigError as exc:
         raise ConfigError(str(exc)) from None
-    return EtcdRendezvous(config)
+    return EtcdRendezvous(config, on_event=on_event)
 
 
-def _c10d(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
+def _c10d(settings: Settings, run_id: str, runtime_dir: Path, on_event: EventHook | None
+          ) -> Rendezvous:
     """May host an etcd whose data lives in ``runtime_dir`` (``--standalone`` keeps
     torchrun's meaning: one node)."""
     from supervisor.rendezvous.c10d import make_c10d_rendezvous
@@ -65,7 +70,7 @@ def _c10d(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
             endpoint=settings.rdzv_endpoint, run_id=run_id, nnodes=settings.nnodes,
             rdzv_conf=settings.rdzv_conf, local_addr=settings.local_addr,
             runtime_dir=runtime_dir, standalone=settings.standalone,
-            master_port=settings.master_port,
+            master_port=settings.master_port, on_event=on_event,
         )
     except RendezvousConfigError as exc:
         raise ConfigError(str(exc)) from None
@@ -82,12 +87,14 @@ BACKENDS: dict[str, Backend] = {
 }
 
 
-def make_rendezvous(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
-    """The configured backend; bad endpoints or conf values are one-line ConfigErrors."""
+def make_rendezvous(settings: Settings, run_id: str, runtime_dir: Path, *,
+                    on_event: EventHook | None = None) -> Rendezvous:
+    """The configured backend; bad endpoints or conf values are one-line ConfigErrors.
+    ``on_event`` hears an etcd-based backend's notices (the static backend has none)."""
     backend = BACKENDS.get(settings.rdzv_backend)
     if backend is None:  # config validation refuses it first; Settings can be built unchecked
         raise ConfigError(f"rdzv_backend: unknown backend {settings.rdzv_backend!r}")
-    return backend.make(settings, run_id, runtime_dir)
+    return backend.make(settings, run_id, runtime_dir, on_event)
 
 
 def conf_barrier_timeout(settings: Settings, rendezvous: Rendezvous) -> Settings:
