@@ -254,9 +254,9 @@ def validate(s: Settings) -> None:
         (backend is None or not backend.needs_endpoint or bool(s.rdzv_endpoint),
          f"rdzv_endpoint: the {s.rdzv_backend} backend needs --rdzv-endpoint "
          "host:port[,host:port]"),
-        (backend is None or not backend.fixed_membership or s.min_nodes == s.max_nodes,
+        (backend is None or backend.coordinates_nodes or s.min_nodes == s.max_nodes,
          f"nnodes: the {s.rdzv_backend} backend needs a fixed node count, got {s.nnodes!r}"),
-        (backend is None or not backend.fixed_membership or s.node_rank < s.max_nodes,
+        (backend is None or backend.coordinates_nodes or s.node_rank < s.max_nodes,
          f"node_rank: {s.node_rank} is out of range for {s.max_nodes} node(s)"),
         (s.hang_dump in ("none", "py-spy")
          or s.hang_dump.removeprefix("signal:") in signal.Signals.__members__,
@@ -282,7 +282,8 @@ def advisories(s: Settings) -> list[tuple[int, str]]:
     """(logging level, line) for valid settings that have no effect with the chosen
     backend (WARNING), or an effect a user may not expect (INFO); each names the setting."""
     notes: list[tuple[int, str]] = []
-    if s.rdzv_backend == "static":
+    backend = BACKENDS.get(s.rdzv_backend)
+    if backend is not None and not backend.coordinates_nodes:
         if s.rdzv_endpoint:
             notes.append((logging.WARNING,
                           f"rdzv_endpoint: ignored by the static backend ({s.rdzv_endpoint!r}); "

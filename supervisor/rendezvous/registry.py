@@ -30,7 +30,9 @@ class Backend:
 
     make: Factory
     needs_endpoint: bool = False  # an existing etcd at --rdzv-endpoint
-    fixed_membership: bool = False  # nodes never join or leave: --nnodes N, --node-rank
+    # False: nodes neither meet nor join or leave: fixed --nnodes, --node-rank and
+    # --master-addr are given (the backend's ``capabilities.coordinates_nodes`` too)
+    coordinates_nodes: bool = True
 
 
 def _static(settings: Settings, run_id: str, runtime_dir: Path, on_event: EventHook | None
@@ -80,7 +82,7 @@ def _c10d(settings: Settings, run_id: str, runtime_dir: Path, on_event: EventHoo
 # etcd-v2: an existing etcd (>= 3.4, our v3 backend for both); c10d: the endpoint's host
 # starts a single-member etcd itself. Imported lazily: static never imports etcd's code
 BACKENDS: dict[str, Backend] = {
-    "static": Backend(_static, fixed_membership=True),
+    "static": Backend(_static, coordinates_nodes=False),
     "c10d": Backend(_c10d),
     "etcd": Backend(_etcd, needs_endpoint=True),
     "etcd-v2": Backend(_etcd, needs_endpoint=True),
