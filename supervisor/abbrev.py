@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 
-# torchrun 2.13's long flags, dash spelling (tests/test_flag_abbreviations.py checks this
+# torchrun 2.13's long flags, dash spelling (tests/unit/test_flag_abbreviations.py checks this
 # against torch.distributed.run.get_args_parser() when torch is installed)
 TORCHRUN_FLAGS: frozenset[str] = frozenset({
     "duplicate-stderr-filters", "duplicate-stdout-filters", "event-log-handler", "help",

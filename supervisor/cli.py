@@ -74,7 +74,8 @@ def _run_parser() -> argparse.ArgumentParser:
           help="LOCAL_RANK=0 and one device per worker")
     _flag(p, "numa-binding", help="node, socket, exclusive or core-complex")
     _flag(p, "event-log-handler", help="accepted for torchrun compatibility; see --event-log")
-    _flag(p, "logs-specs", help="default (torch's DefaultLogsSpecs): our own log layout; plugins refused")
+    _flag(p, "logs-specs",
+          help="default (torch's DefaultLogsSpecs): our own log layout; plugins refused")
     _flag(p, "signals-to-handle",
           help="accepted; TERM/INT/QUIT stop, HUP reopens logs, USR1/USR2 are forwarded")
     _flag(p, "run-path", action="store_const", const=True, help="run the script with runpy")
