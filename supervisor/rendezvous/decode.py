@@ -122,6 +122,14 @@ class Closed(msgspec.Struct, frozen=True):
     node: Text = ""
 
 
+class Shape(msgspec.Struct, frozen=True):
+    """``ctl/shape``: the job's ``--nnodes`` and ``--nproc-per-node``, recorded by the first
+    node to arrive (``sameid``: two jobs under one run id)."""
+
+    nnodes: Annotated[str, msgspec.Meta(max_length=32, pattern=r"^[0-9]+:[0-9]+$")]
+    nproc_per_node: LocalWorld | None = None
+
+
 class Join(msgspec.Struct, frozen=True):
     """``nodes/N/join/<node>``: a node joined round N."""
 
@@ -195,6 +203,7 @@ SCHEMAS: dict[str, Schema] = {
     "ctl/master": Schema(Master, 1 << 10, OnBad.FAIL),
     "ctl/restarts": Schema(Restarts, 16 << 10, OnBad.FAIL),
     "ctl/closed": Schema(Closed, 16 << 10, OnBad.CLOSED),
+    "ctl/shape": Schema(Shape, 1 << 10, OnBad.IGNORE),  # advisory: no verdict from it
     "nodes/join": Schema(Join, 2 << 10, OnBad.IGNORE),
     "status": Schema(Summary, 8 << 10, OnBad.IGNORE),
 }

@@ -38,6 +38,7 @@ from supervisor.rendezvous.decode import (
     Restarts,
     Result,
     Round,
+    Shape,
     bounded,
     count_ignored,
     decode,
@@ -138,6 +139,11 @@ class State:
         data = self._value("ctl/closed", self.keys.closed, Closed)
         return msgspec.structs.replace(data, reason=shown(data.reason, MAX_TEXT)) \
             if data else None
+
+    @property
+    def shape(self) -> Shape | None:
+        """The job's recorded shape (``sameid``); None if absent or unreadable."""
+        return self._value("ctl/shape", self.keys.ctl + "shape", Shape)
 
     @property
     def restarts(self) -> Restarts | None:
