@@ -105,7 +105,7 @@ def test_state_accessors_raise_only_bad_value(
     state = State(KEYS, kvs)
     for read in (lambda: state.round, lambda: state.round_reason, lambda: state.closed,
                  lambda: state.members(0), lambda: state.master(0),
-                 lambda: state.restarts, lambda: state.joins(0)):
+                 lambda: state.restarts, lambda: state.joins(0), lambda: state.shape):
         try:
             read()
         except dec.BadValue as exc:
