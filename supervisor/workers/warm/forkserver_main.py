@@ -130,6 +130,10 @@ def _preload(config: "dict[str, Any]", _thread: "Any") -> "dict[str, Any]":
         cuda = getattr(torch, "cuda", None)
         if cuda is not None and cuda.is_initialized():
             result.update(ok=False, error="preloading initialised CUDA")
+    if result["ok"] and "gc" in sys.modules:
+        # what the preload made is shared with every standby: keep the collector from
+        # writing to (and so copying) those pages in each of them
+        sys.modules["gc"].freeze()
     return result
 
 
@@ -471,8 +475,11 @@ def _wait_and_run(sock_fd: int) -> None:
         pass
     data, fds, need = b"", [], None
     while need is None or len(data) < need:
-        chunk, ancillary, _flags, _address = sock.recvmsg(
-            1 << 16, _socket.CMSG_SPACE(16), _socket.MSG_CMSG_CLOEXEC)
+        try:
+            chunk, ancillary, _flags, _address = sock.recvmsg(
+                1 << 16, _socket.CMSG_SPACE(16), _socket.MSG_CMSG_CLOEXEC)
+        except OSError:  # reset (our report was never read) as the supervisor ends
+            os._exit(0)
         for level, kind, raw in ancillary:
             if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
                 fds += [int.from_bytes(raw[i:i + 4], sys.byteorder)
