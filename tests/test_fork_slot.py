@@ -3,13 +3,15 @@ server, one warning and a count; a preload that reads a rank's variable is left 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from supervisor.core.envs import PER_ATTEMPT_ENV, interpreter
@@ -20,11 +22,15 @@ from supervisor.workers.warm.forkslot import ForkSlot
 TESTS = Path(__file__).parent
 
 
-@pytest.fixture
-def slot() -> Iterator[ForkSlot]:
+@contextlib.asynccontextmanager
+async def running_slot() -> AsyncIterator[ForkSlot]:
     made = ForkSlot(death=DeathSignal(), prefix=interpreter(sys.executable))
-    yield made
-    made.close()
+    async with anyio.create_task_group() as tg:
+        await tg.start(made.run)
+        with anyio.fail_after(60):
+            yield made
+        tg.cancel_scope.cancel()
+    assert made.pids() == set()  # its servers are stopped with it
 
 
 def config(tmp_path: Path, *preload: str, code: str = "") -> ForkServerConfig:
@@ -38,35 +44,37 @@ def config(tmp_path: Path, *preload: str, code: str = "") -> ForkServerConfig:
 
 
 async def test_a_failed_preload_is_counted_and_warned_once(
-        tmp_path: Path, slot: ForkSlot, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     bad = config(tmp_path, "no_such_module_here")
-    assert not await slot.prepare(bad)
-    assert not await slot.prepare(bad)
-    assert slot.failures["preload"] == 2
+    async with running_slot() as slot:
+        assert not await slot.prepare(bad)
+        assert not await slot.prepare(bad)  # a new server, failing again
+        assert slot.failures["preload"] == 2
+        assert slot.pids() == set()  # nothing left running
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "start cold" in warnings[0].getMessage()
-    assert slot.pids() == set()  # nothing left running
 
 
-async def test_a_dead_server_is_replaced_by_the_next_prepare(tmp_path: Path,
-                                                             slot: ForkSlot) -> None:
+async def test_a_dead_server_is_replaced_by_the_next_prepare(tmp_path: Path) -> None:
     good = config(tmp_path, "xml.dom.minidom")
-    assert await slot.prepare(good)
-    first = slot.server
-    assert first is not None
-    os.kill(first.pid, signal.SIGKILL)
-    os.waitid(os.P_PIDFD, first.process.pidfd, os.WEXITED | os.WNOWAIT)
-    assert slot.fork({}, None, 0) is None  # the rank starts cold
-    assert slot.failures["died"] == 1
-    assert await slot.prepare(good)
-    assert slot.server is not None and slot.server.pid != first.pid
+    async with running_slot() as slot:
+        assert await slot.prepare(good)
+        first = slot.server
+        assert first is not None
+        os.kill(first.pid, signal.SIGKILL)
+        os.waitid(os.P_PIDFD, first.process.pidfd, os.WEXITED | os.WNOWAIT)
+        assert slot.fork({}, None, 0) is None  # the rank starts cold
+        assert slot.failures["died"] == 1
+        assert await slot.prepare(good)
+        assert slot.server is not None and slot.server.pid != first.pid
 
 
-async def test_a_tainted_package_is_left_out_of_the_next_server(tmp_path: Path,
-                                                                slot: ForkSlot) -> None:
+async def test_a_tainted_package_is_left_out_of_the_next_server(tmp_path: Path) -> None:
     tainted = config(tmp_path, "xml.dom.minidom", "reader",
                      code="import os\nos.environ.get('LOCAL_RANK')\n")
-    assert not await slot.prepare(tainted)
-    assert slot.excluded == {"reader"}
-    assert await slot.prepare(tainted)  # again, without it
-    assert slot.server is not None and slot.server.config.preload == ("xml.dom.minidom",)
+    async with running_slot() as slot:
+        assert await slot.prepare(tainted)  # after a retry without it
+        assert slot.excluded == {"reader"}
+        assert slot.failures["tainted"] == 1
+        assert slot.server is not None
+        assert slot.server.config.preload == ("xml.dom.minidom",)

@@ -1,8 +1,10 @@
 """The node's fork server over a whole run: started once, replaced when it dies or when
 what it preloads changes, given up after too many failures.
 
-``ForkSlot`` is what the warm pool talks to. ``prepare`` (on the loop) starts a server for
-a configuration unless one for it runs or is starting, and waits for its report; ``fork``
+``ForkSlot`` is what the warm pool talks to. Its ``run`` task (started once, by the
+composition root) starts the servers; ``prepare`` (on the loop) asks for a server for a
+configuration and waits until one for it is ready or has failed, so a preload goes on
+when the attempt that asked for it ends; ``fork``
 (in a worker thread) forks a rank's standby from the ready server, or says it cannot. A
 failure of the fork server (it died, its preload crashed, a fork was refused) is never the
 workers': the rank has no standby and starts cold, one warning is logged for the run, the
@@ -20,6 +22,7 @@ from collections.abc import Callable, Mapping
 
 import anyio
 import anyio.to_thread
+from anyio.abc import TaskStatus
 
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.spawn import DeathSignal
@@ -54,7 +57,10 @@ class ForkSlot:
         self._start = start or self._start_server
         self.server: ForkServer | None = None  # ready: forks come from it
         self._pending: ForkServer | None = None  # preloading (first one, or a replacement)
-        self._lock = anyio.Lock()
+        self._wanted: ForkServerConfig | None = None
+        self._requested = anyio.Event()  # set by ``request``
+        self._settled = anyio.Event()  # set when ``run`` served or failed a request
+        self._failed_for: ForkServerConfig | None = None
         self.excluded: set[str] = set()  # packages no server may preload any more
         self.failures: Counter[str] = Counter()  # reason -> count (for /metrics)
         self._warned = False
@@ -77,39 +83,83 @@ class ForkSlot:
         server = self.server
         return server is not None and server.usable and _same_place(server.config, config)
 
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Start the servers ``request`` asks for, one at a time, for the whole run (a
+        preload is not cut short when the attempt that asked for it ends)."""
+        task_status.started()
+        try:
+            while True:
+                await self._requested.wait()
+                self._requested = anyio.Event()
+                config = self._wanted
+                if config is not None and not self._serves(config):
+                    await self._prepare(config)
+                self._settled.set()
+                self._settled = anyio.Event()
+        finally:
+            with anyio.CancelScope(shield=True):
+                self.close()
+
+    def request(self, config: ForkServerConfig) -> None:
+        """Ask for a ready server for ``config`` (what is excluded left out)."""
+        self._wanted = self._without_excluded(config)
+        self._failed_for = None  # a new try: wait for its outcome
+        self._requested.set()
+
     async def prepare(self, config: ForkServerConfig) -> bool:
-        """Have a ready server for ``config`` (with what is excluded left out); True once
-        one is ready. A failure is logged (once a run), counted, and returns False."""
-        config = self._without_excluded(config)
-        async with self._lock:
+        """``request`` and wait until it is served (True) or failed (False)."""
+        self.request(config)
+        wanted = self._wanted
+        while True:
             if self.given_up:
                 return False
-            current = self.server
-            if current is not None and current.usable and current.config == config:
+            if wanted is not None and self._serves(wanted):
                 return True
-            try:
-                pending = await anyio.to_thread.run_sync(self._start, config)
-            except OSError as exc:
-                self._failed("start", f"cannot start the fork server: {exc}")
+            if wanted is not None and self._failed_for == wanted:
                 return False
-            self._pending = pending
-            try:
-                with anyio.move_on_after(READY_TIMEOUT):
-                    await pending.ready()
-                report = pending.report or ForkServerReport(False, "its preload timed out")
-            finally:
-                self._pending = None
-            if not report.ok:
-                self._discard(pending)
-                self._refused(report)
-                return False
-            old, self.server = self.server, pending
-            self.ready_at = time.monotonic()
-            logger.info("fork server (pid %d) ready: preloaded %s in %.2f s", pending.pid,
-                        ",".join(config.preload) or "auto", self.ready_at - pending.started_at)
-            if old is not None:
-                self._discard(old)  # the standbys it forked are ours and stay
-            return True
+            await self._settled.wait()
+            wanted = self._wanted
+
+    def _serves(self, config: ForkServerConfig) -> bool:
+        server = self.server
+        return server is not None and server.usable and server.config == config
+
+    async def _prepare(self, config: ForkServerConfig) -> None:
+        if self.given_up:
+            return
+        try:
+            pending = await anyio.to_thread.run_sync(self._start, config)
+        except OSError as exc:
+            self._failed_for = config
+            self._failed("start", f"cannot start the fork server: {exc}")
+            return
+        self._pending = pending
+        try:
+            with anyio.move_on_after(READY_TIMEOUT):
+                await pending.ready()
+            report = pending.report or ForkServerReport(False, "its preload timed out")
+        except BaseException:
+            self._discard(pending)
+            raise
+        finally:
+            self._pending = None
+        if not report.ok:
+            self._discard(pending)
+            self._failed_for = config
+            self._refused(report)
+            if self._wanted == config:  # again, without what it named (if it did)
+                retry = self._without_excluded(config)
+                if retry != config and not self.given_up:
+                    self.request(retry)
+            return
+        old, self.server = self.server, pending
+        self._failed_for = None
+        self.ready_at = time.monotonic()
+        logger.info("fork server (pid %d) ready: preloaded %s in %.2f s", pending.pid,
+                    ",".join([*config.preload, *(["auto"] if config.auto_names else [])]),
+                    self.ready_at - pending.started_at)
+        if old is not None:
+            self._discard(old)  # the standbys it forked are ours and stay
 
     def fork(self, env: Mapping[str, str], cpus: tuple[int, ...] | None,
              local_rank: int) -> Forked | None:
