@@ -17,8 +17,8 @@ import sys
 from supervisor.core.envs import interpreter
 from supervisor.workers.guardian import set_child_subreaper
 from supervisor.workers.spawn import DeathSignal, WorkerSpec, spawn_worker
-from supervisor.workers.standby import Standby
 from supervisor.workers.warm.forkserver import ForkServer, ForkServerConfig, cold_path0
+from supervisor.workers.warm.standby import Standby
 
 
 def say(**what: object) -> None:

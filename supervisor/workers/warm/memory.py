@@ -18,6 +18,7 @@ import anyio.to_thread
 import msgspec
 
 INTERVAL = 10.0  # seconds between two samples at most
+IDLE_LOOK = 1.0  # seconds between two looks for something to sample
 
 
 class MemorySample(msgspec.Struct, frozen=True):
@@ -74,6 +75,7 @@ class MemorySampler:
             server, standbys = self.targets()
             if server is not None or standbys:
                 self.last = await anyio.to_thread.run_sync(sample, server, standbys)
-            else:
+                await anyio.sleep(self.interval)
+            else:  # nothing to read yet: look again soon (no I/O until there is)
                 self.last = MemorySample(time.monotonic(), None, {})
-            await anyio.sleep(self.interval)
+                await anyio.sleep(IDLE_LOOK)
