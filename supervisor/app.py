@@ -343,7 +343,7 @@ def make_pool(
         return NullPool()
     python = environ.get("PYTHON_EXEC", sys.executable)
     forks = (ForkSlot(death=death, prefix=interpreter(python), guardian=guardian)
-             if fork_server and settings.preload else None)
+             if fork_server and settings.preload and not settings.no_fork_server else None)
     return WarmPool(
         settings, python=python, death=death,
         progress=progress,
