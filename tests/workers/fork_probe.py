@@ -2,10 +2,11 @@
 
     fork_probe.py OUT_DIR [args...]
 
-Writes ``OUT_DIR/<PROBE_TAG>_<LOCAL_RANK>.json`` with what a cold start and a standby
-forked by the fork server must agree on (or, for the random state, must not), then exits
-with ``PROBE_EXIT`` (default 0). With ``SHADOW=NAME`` it imports NAME and records the file
-it came from.
+Writes ``OUT_DIR/<PROBE_TAG>_<LOCAL_RANK>.json`` (tag: ``PROBE_TAG``, else ``r`` and the
+restart count) with what a cold start and a standby forked by the fork server must agree
+on (or, for the random state, must not), then exits with ``PROBE_EXIT`` (default 0; under
+a supervisor, 1 on restart 0 once the file ``PROBE_GATE`` exists, if set). With
+``SHADOW=NAME`` it imports NAME and records the file it came from.
 """
 
 import sys
@@ -58,9 +59,19 @@ def describe() -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    out = os.path.join(sys.argv[1], f"{os.environ['PROBE_TAG']}_{os.environ['LOCAL_RANK']}.json")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    tag = os.environ.get("PROBE_TAG") or f"r{restart}"
+    out = os.path.join(sys.argv[1], f"{tag}_{os.environ['LOCAL_RANK']}.json")
     data = describe()
     with open(out + ".tmp", "w") as f:
         json.dump(data, f)
     os.replace(out + ".tmp", out)
+    gate = os.environ.get("PROBE_GATE")
+    if gate and restart == "0":  # the test says when the first attempt may fail
+        import time
+
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sys.exit(1)
     sys.exit(int(os.environ.get("PROBE_EXIT", "0")))

@@ -141,6 +141,7 @@ class _Wanted:
     pid: int  # the rank's current worker (its imports are what ``auto`` preloads)
     warm: bool
     exclude: frozenset[str]  # packages ``auto`` must leave out (read a per-attempt var)
+    path0: str | None = None  # the cold command's sys.path[0] (``forkserver.cold_path0``)
 
 
 @dataclass
@@ -407,10 +408,13 @@ class WarmPool:
             if rank in self.standbys or not Standby.accepts(interpreter(self.python),
                                                              worker.spec.argv):
                 continue
-            wanted.append(_Wanted(rank, standby_env(worker.spec.env), worker.spec.cwd,
+            env = standby_env(worker.spec.env)
+            path0 = cold_path0(worker.spec.argv[len(interpreter(self.python)):],
+                               worker.spec.cwd, env)
+            wanted.append(_Wanted(rank, env, worker.spec.cwd,
                                   worker.spec.cpus, attempt.directory / str(rank),
                                   worker.pid, worker.start.warm,
-                                  frozenset(self.auto_excluded)))
+                                  frozenset(self.auto_excluded), path0))
         plan = StandbyPlan(wanted, anyio.Event())
         if wanted:
             self._plans.append(plan)
@@ -512,7 +516,7 @@ class WarmPool:
         try:
             return spawn_standby(
                 want.rank, self.python, want.env, self.death, cwd=want.cwd,
-                cpus=want.cpus, options=self.options, auto_spec=spec,
+                cpus=want.cpus, options=self.options, auto_spec=spec, path0=want.path0,
             )
         except OSError as exc:
             autopreload.remove_spec(spec)
