@@ -84,3 +84,29 @@ async def test_a_dead_fork_server_means_cold_starts_and_a_new_server(tmp_path: P
     assert warm_ranks(logs) == [None, [0]]
     restarts = [e for e in events(logs) if e["event"] == "group_started"]
     assert len(restarts) == 2  # the server's death used none of the restart budget
+
+
+async def test_auto_learns_once_per_node_and_a_second_server_preloads_it(
+        tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = tmp_path / "logs"
+    gate = tmp_path / "gate"
+    probe = str(TESTS / "workers" / "fork_probe.py")
+    args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(logs),
+            "--preload", "auto", probe, str(out)]
+    # the cold workers import psutil (an extension module: read from their maps)
+    env = {"SHADOW": "psutil", "PROBE_GATE": str(gate)}
+    async with supervisor(args, env=env) as sup:
+        await sup.err.expect(r"fork server \(pid \d+\) ready: preloaded auto", timeout=60)
+        for _ in range(2):
+            await sup.err.expect(r"standby for local rank \d forked as pid", timeout=30)
+        gate.touch()
+        assert await sup.wait() == 0
+    assert sup.err.text().count("ready: preloaded auto") == 1  # learned once, one server
+    assert warm_ranks(logs) == [None, [0, 1]]
+    for rank in range(2):
+        cold = json.loads((out / f"r0_{rank}.json").read_text())
+        warm = json.loads((out / f"r1_{rank}.json").read_text())
+        assert "psutil" not in cold["modules_at_start"]
+        assert "psutil" in warm["modules_at_start"]
