@@ -72,7 +72,7 @@ class GoodputRecorder:
         self._clock = clock
         self._wall = wall
         self._changed = anyio.Event()
-        progress.listener = self.on_progress
+        progress.listeners.append(self.on_progress)
 
     def ledger(self) -> Ledger:
         """The accountant's current state (goes into every published snapshot)."""

@@ -28,6 +28,7 @@ from supervisor.core.policy import RestartPolicy
 from supervisor.core.snapshot import ProgressTable
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import Rendezvous, RendezvousError, RendezvousResult
+from supervisor.rendezvous.watch import MembershipWatch
 from supervisor.views import ReadModel, RunResult, SnapshotHub, signame
 from supervisor.workers.group import (
     Attempt,
@@ -134,6 +135,7 @@ class Controller:
         self._send: Outbox | None = None
         self._rng = random.Random()
         self._launched_once = anyio.Event()
+        self.membership = MembershipWatch(rendezvous, events, self._post)
 
     @property
     def attempt(self) -> Attempt | None:
@@ -185,11 +187,20 @@ class Controller:
         self._send.send_nowait(event)
 
     def _apply(self, event: sm.Event) -> None:
-        if self._stale(event):
-            logger.debug("dropping stale %s", event)
-            return
         old = self.state
-        new, decision = sm.transition(old, event, self.policy)
+        if sm.is_stale(old, event):  # an earlier attempt's: it can change nothing now
+            self.view.on_stale(event)
+            return
+        try:
+            new, decision = sm.transition(old, event, self.policy)
+        except sm.InvalidTransition as exc:
+            # a bug of ours, never the workers': say so loudly and keep supervising
+            # (raising here would end the run and orphan the group's stop)
+            logger.error("ignoring an event the state machine has no edge for: %s (%r)",
+                         exc, event)
+            self.events.emit("invalid_transition", phase=old.phase.value,
+                             event=type(event).__name__)
+            return
         self.state = new
         for observer in self.observers:
             observer.on_transition(old, new, event, decision)
@@ -197,12 +208,6 @@ class Controller:
             self._replay.append((old, new, event, decision))
         self.view.publish()
         self._execute(decision)
-
-    def _stale(self, event: sm.Event) -> bool:
-        attempt = getattr(event, "attempt", None)
-        if isinstance(event, sm.GroupLaunched | sm.LaunchFailed):
-            return False
-        return attempt is not None and attempt != self.state.attempt
 
     def _command(self, command: Command) -> None:
         if isinstance(command, ForwardSignal):
@@ -326,7 +331,7 @@ class Controller:
             self._apply(sm.LaunchFailed(decision.attempt, str(exc), time.monotonic()))
             return
         self.events.attempt = group.shown_attempt(decision.attempt)  # a taken K was skipped
-        self._tg.start_soon(group.supervise, attempt, self._watch_membership)
+        self._tg.start_soon(group.supervise, attempt, self.membership.watch)
         layout = attempt.layout
         self.events.emit(
             "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
@@ -345,14 +350,6 @@ class Controller:
         for local_rank, message in failed_to_start:
             self._post(sm.WorkerExited(decision.attempt, local_rank, 0, 127, None, now, message))
         self._launched_once.set()
-
-    async def _watch_membership(self, attempt: Attempt) -> None:
-        try:
-            reason = await self.rendezvous.wait_membership_change(attempt.round)
-        except RendezvousError as exc:
-            reason = f"rendezvous lost: {exc}"
-        self.events.emit("membership_changed", reason=reason)
-        self._post(sm.MembershipChanged(reason))
 
     def _stop(self, decision: sm.StopGroup) -> None:
         if decision.reason in (sm.StopReason.SHUTDOWN, sm.StopReason.FATAL):

@@ -103,6 +103,7 @@ class ReadModel:
         self.members_checked = members_checked  # whether success was checked job-wide
         self.state = sm.State()
         self.round: RendezvousResult | None = None
+        self.stale_events = 0  # earlier attempts' events dropped so far
         self._started_wall = time.time()
         self.hub = SnapshotHub(self.snapshot())
 
@@ -129,6 +130,15 @@ class ReadModel:
 
     def on_stopped(self, attempt: Attempt) -> None:
         return None
+
+    def on_stale(self, event: sm.Event) -> None:
+        """An earlier attempt's event, dropped: logged and counted (``stale_events``)."""
+        self.stale_events += 1
+        logger.debug("dropping stale %s", event)
+        attempt = event.attempt if isinstance(event, sm.AttemptEvent) else None
+        self.events.emit("stale_event_dropped", dropped=type(event).__name__,
+                         of_attempt=None if attempt is None else self.group.shown_attempt(attempt),
+                         count=self.stale_events)
 
     def on_round(self, result: RendezvousResult) -> None:
         """A rendezvous round completed (members, master: shown in ``/status``)."""

@@ -385,7 +385,7 @@ class WarmPool:
         done = anyio.Event()
         ranks = attempt.layout.local_world_size
 
-        def check() -> None:
+        def check(*_shown: object) -> None:
             if self.progress.attempt == attempt.number and self.progress.count() >= ranks:
                 done.set()
 
