@@ -45,6 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.harness import BIN, ensure_bytecode, launcher_env  # noqa: E402
+from supervisor.workers.warm.forkserver import is_fork_server_command  # noqa: E402
 from supervisor.workers.warm.standby import is_standby_command  # noqa: E402
 
 JOB = HERE / "recovery_job.py"
@@ -63,6 +64,7 @@ class Cell:
     failed_runs: int = 0
     standby_rss: list[int] = field(default_factory=list)
     standby_uss: list[int] = field(default_factory=list)
+    server_rss: list[int] = field(default_factory=list)  # the fork server's, if any
 
 
 def free_port() -> int:
@@ -145,10 +147,18 @@ def sample_standbys(cell: Cell, pid: int, ranks: int, out: Path) -> bool:
     if (out / "crash_0").exists():
         return True  # too late for this run
     try:
-        standbys = [p for p in psutil.Process(pid).children(recursive=True)
-                    if is_standby_command(p.cmdline())]
+        children = psutil.Process(pid).children(recursive=True)
+        standbys = [p for p in children if is_standby_command(p.cmdline())]
+        # forked standbys show their fork server's command line: the oldest such process
+        # is the server (its RSS is reported apart)
+        forked = sorted((p for p in children if is_fork_server_command(p.cmdline())),
+                        key=lambda p: p.create_time())
     except psutil.Error:
         return False
+    if forked:
+        server, standbys = forked[0], standbys + forked[1:]
+        with contextlib.suppress(psutil.Error):
+            cell.server_rss.append(server.memory_info().rss)
     if len(standbys) < ranks:
         return False
     try:
@@ -263,6 +273,8 @@ def summarise(cell: Cell, ranks: int, mode: str, seconds: float) -> dict[str, ob
         "phases": phases, "runs": cell.runs, "failed_runs": cell.failed_runs,
         "standby_rss_mib": (median([float(v) for v in cell.standby_rss]) or 0) / 2**20 or None,
         "standby_uss_mib": (median([float(v) for v in cell.standby_uss]) or 0) / 2**20 or None,
+        "fork_server_rss_mib": (median([float(v) for v in cell.server_rss]) or 0) / 2**20
+        or None,
         "seconds": round(seconds, 1),
     }
 
