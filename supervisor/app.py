@@ -240,6 +240,7 @@ async def supervise(
             await tg.start(run_watchdog_pings, notifier)
             await tg.start(output.run)
             await pool.start_tasks(tg)
+            pool.warm_up(group.preview())  # the fork server imports while we rendezvous
             await tg.start(rendezvous.run)
             await tg.start(lag.run)
             await tg.start(events.retry_pending)

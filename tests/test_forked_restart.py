@@ -52,6 +52,8 @@ async def test_a_restart_runs_in_a_standby_forked_from_the_fork_server(tmp_path:
                                  rf"server \(pid {server}\)")
         gate.touch()  # now restart 0 may fail
         assert await sup.wait() == 0
+    # started while the rendezvous formed, for the command the launch then ran: one server
+    assert sup.err.text().count("ready: preloaded") == 1
     assert warm_ranks(logs) == [None, [0, 1]]
     for rank in range(2):
         cold = json.loads((out / f"0_{rank}.json").read_text())

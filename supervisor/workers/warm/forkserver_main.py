@@ -186,9 +186,9 @@ def _import_auto(auto: "dict[str, Any]", reads: list[str], result: "dict[str, An
         if top not in installed or top in exclude or name in sys.modules:
             continue
         where = _origin(top)
-        if where is None or not _in_site_dir(where):
+        if where is None or not _installed_from(where, installed.get(top, ())):
             skipped.append(f"{name} (would come from {where or 'nowhere'}, "
-                           f"not an installed distribution)")
+                           f"not from its installed distribution)")
             continue
         try:
             __import__(name)
@@ -213,6 +213,22 @@ def _origin(top: str) -> str | None:
         if where in (None, "namespace") and spec.submodule_search_locations:
             where = next(iter(spec.submodule_search_locations))
     return os.path.realpath(where) if isinstance(where, str) else None
+
+
+def _installed_from(where: str, dists: "Any") -> bool:
+    """Whether ``where`` lies where one of ``dists`` (distribution names) is installed,
+    i.e. it is that distribution's file and not one of the user's that shadows it."""
+    import importlib.metadata
+
+    for dist_name in dists:
+        try:
+            base = os.path.realpath(str(importlib.metadata.distribution(dist_name)
+                                        .locate_file("")))
+        except Exception:  # metadata unreadable: not evidence for the file
+            continue
+        if where.startswith(os.path.join(base, "")):
+            return True
+    return False
 
 
 def _in_site_dir(path: str) -> bool:

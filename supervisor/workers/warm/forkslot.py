@@ -139,6 +139,8 @@ class ForkSlot:
             self._failed("start", f"cannot start the fork server: {exc}")
             return
         self._pending = pending
+        logger.debug("fork server (pid %d) started, importing %s", pending.pid,
+                     ",".join([*config.preload, *(["auto"] if config.auto_names else [])]))
         try:
             with anyio.move_on_after(READY_TIMEOUT):
                 await pending.ready()

@@ -16,6 +16,7 @@ import errno
 import logging
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -85,6 +86,9 @@ class Pool(Protocol):
     async def start_tasks(self, tg: TaskGroup) -> None:
         """Start the pool's run-long tasks (the fork server's) in the root task group."""
 
+    def warm_up(self, preview: tuple[list[str], list[dict[str, str]]] | None) -> None:
+        """Prepare what the first attempt's restart will need (before the rendezvous)."""
+
     def memory(self) -> MemorySample | None:
         """The last reading of the fork server's and the forked standbys' memory."""
 
@@ -120,6 +124,9 @@ class NullPool:
         return None
 
     async def start_tasks(self, tg: TaskGroup) -> None:
+        return None
+
+    def warm_up(self, preview: tuple[list[str], list[dict[str, str]]] | None) -> None:
         return None
 
     def memory(self) -> MemorySample | None:
@@ -304,17 +311,34 @@ class WarmPool:
                      ",".join(list(found)[:8]) + ("..." if len(found) > 8 else ""))
         return list(found)
 
+    def warm_up(self, preview: tuple[list[str], list[dict[str, str]]] | None) -> None:
+        """At the supervisor's start (while the rendezvous forms): have the fork server
+        import the explicit ``--preload`` list for the command the first attempt will run,
+        so that an early crash finds it ready."""
+        if preview is None or not self.forking or not self.options.preload:
+            return
+        argv, envs = preview
+        config = self._config_for(argv, None, envs)
+        if config is not None and self.forks is not None:
+            self.forks.request(config)
+
     def _fork_config(self, attempt: Attempt) -> ForkServerConfig | None:
         """The node's fork server for this attempt's command (None: it cannot run warm)."""
         workers = attempt.workers
-        prefix = interpreter(self.python)
-        if not workers or not Standby.accepts(prefix, workers[0].spec.argv):
+        if not workers:
             return None
         first = workers[0].spec
-        env = fork_server_env([standby_env(w.spec.env) for w in workers])
+        return self._config_for(first.argv, first.cwd, [w.spec.env for w in workers])
+
+    def _config_for(self, argv: Sequence[str], cwd: str | None,
+                    envs: list[dict[str, str]]) -> ForkServerConfig | None:
+        prefix = interpreter(self.python)
+        if not Standby.accepts(prefix, argv):
+            return None
+        env = fork_server_env([standby_env(e) for e in envs])
         return ForkServerConfig(
-            python=self.python, env=env, cwd=first.cwd,
-            path0=cold_path0(first.argv[len(prefix):], first.cwd, env),
+            python=self.python, env=env, cwd=cwd,
+            path0=cold_path0(list(argv[len(prefix):]), cwd, env),
             preload=self.options.preload, auto_names=tuple(self._node_auto or ()),
             exclude=frozenset(self.auto_excluded), watch=(*PER_ATTEMPT_ENV, *PER_RANK_ENV),
         )

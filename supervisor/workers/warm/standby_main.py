@@ -102,6 +102,18 @@ def _standby() -> None:
                 where = next(iter(found.submodule_search_locations))
             return os.path.realpath(where) if isinstance(where, str) else None
 
+        def installed_from(where: str, dists: list[str]) -> bool:
+            # under the directory one of the distributions is installed in
+            for dist_name in dists:
+                try:
+                    base = os.path.realpath(str(importlib.metadata.distribution(
+                        dist_name).locate_file("")))
+                except Exception:  # metadata unreadable: not evidence for the file
+                    continue
+                if where.startswith(os.path.join(base, "")):
+                    return True
+            return False
+
         environs = [os.environ, os.environb]
         for environ in environs:
             environ.__class__ = Watched
@@ -111,9 +123,9 @@ def _standby() -> None:
                 if top not in installed or top in spec["exclude"] or name in sys.modules:
                     continue
                 where = origin(top)  # an installed name, but is it the installed file?
-                if where is None or not ("/site-packages/" in where
-                                         or "/dist-packages/" in where):
-                    skipped.append(f"{name} (would come from {where}, not a distribution)")
+                if where is None or not installed_from(where, installed.get(top, [])):
+                    skipped.append(f"{name} (would come from {where}, not from its "
+                                   f"installed distribution)")
                     continue
                 try:
                     __import__(name)
