@@ -28,11 +28,11 @@ from supervisor.workers.warm.forkserver import (
     ForkServerError,
     cold_path0,
 )
-from tests import deps
+from tests.support import deps
+from tests.support.paths import REPO, WORKERS
 
-TESTS = Path(__file__).parent
-DRIVER = str(TESTS / "workers" / "forkserver_driver.py")
-PROBE = str(TESTS / "workers" / "fork_probe.py")
+DRIVER = str(WORKERS / "forkserver_driver.py")
+PROBE = str(WORKERS / "fork_probe.py")
 WATCH = [*PER_ATTEMPT_ENV, "LOCAL_RANK"]
 RUN_TIMEOUT = 90.0
 
@@ -41,7 +41,7 @@ def node_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in WATCH and not k.startswith(("PYTEST", "COV_"))}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [extra.pop("PYTHONPATH", ""),
-                                                      str(TESTS.parent)]))
+                                                      str(REPO)]))
     env.update(extra)
     return env
 
@@ -70,7 +70,7 @@ def drive(config: dict[str, Any], *, user: str | None = None,
     argv = [python, DRIVER, json.dumps(config)]
     if user is not None:
         argv = [*as_user(user), *argv]
-    path = os.pathsep.join([str(TESTS.parent), *[p for p in sys.path if "-packages" in p]])
+    path = os.pathsep.join([str(REPO), *[p for p in sys.path if "-packages" in p]])
     done = subprocess.run(argv, capture_output=True, text=True, timeout=RUN_TIMEOUT,
                           env={**os.environ, "PYTHONPATH": path}, cwd=config.get("cwd"))
     assert done.returncode == 0, done.stderr
@@ -135,6 +135,7 @@ def test_forked_standby_runs_the_script_as_a_cold_start_does(tmp_path: Path) -> 
         assert "xml.dom.minidom" in w["modules_at_start"]
 
 
+@pytest.mark.xdist_group("torch")
 def test_forked_standbys_get_their_own_random_state(tmp_path: Path) -> None:
     deps.need_module("torch")
     deps.need_module("numpy")
@@ -271,6 +272,7 @@ def test_a_copy_or_an_iteration_alone_does_not_taint(tmp_path: Path, how: str) -
     assert report["ok"], report
 
 
+@pytest.mark.xdist_group("torch")
 def test_torch_and_dynamo_stay_preloadable(tmp_path: Path) -> None:
     deps.need_module("torch")
     report = ready_report(job(tmp_path, preload=["torch", "torch._dynamo"]))

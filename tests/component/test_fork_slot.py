@@ -18,8 +18,7 @@ from supervisor.core.envs import PER_ATTEMPT_ENV, interpreter
 from supervisor.workers.spawn import DeathSignal
 from supervisor.workers.warm.forkserver import ForkServerConfig
 from supervisor.workers.warm.forkslot import ForkSlot
-
-TESTS = Path(__file__).parent
+from tests.support.paths import REPO
 
 
 @contextlib.asynccontextmanager
@@ -37,7 +36,7 @@ def config(tmp_path: Path, *preload: str, code: str = "") -> ForkServerConfig:
     pp = tmp_path / "pp"
     pp.mkdir(exist_ok=True)
     (pp / "reader.py").write_text(code)
-    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": f"{pp}:{TESTS.parent}"}
+    env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": f"{pp}:{REPO}"}
     return ForkServerConfig(python=sys.executable, env=env, cwd=str(tmp_path),
                             path0=str(tmp_path), preload=preload,
                             watch=(*PER_ATTEMPT_ENV, "LOCAL_RANK"))

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import anyio
 
-from tests.conftest import FAKE_WORKER, TESTS, supervisor
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER, WORKERS
 
-PROBE = str(TESTS / "workers" / "probe_main.py")
+PROBE = str(WORKERS / "probe_main.py")
 BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug"]
 
 
@@ -94,7 +95,7 @@ async def test_auto_learns_once_per_node_and_a_second_server_preloads_it(
     out.mkdir()
     logs = tmp_path / "logs"
     gate = tmp_path / "gate"
-    probe = str(TESTS / "workers" / "fork_probe.py")
+    probe = str(WORKERS / "fork_probe.py")
     args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(logs),
             "--preload", "auto", probe, str(out)]
     # the cold workers import psutil (an extension module: read from their maps)

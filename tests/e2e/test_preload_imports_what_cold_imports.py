@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TESTS, supervisor
+from tests.support.daemon import supervisor
+from tests.support.paths import REPO, WORKERS
 
-PROBE = TESTS / "workers" / "fork_probe.py"
+PROBE = WORKERS / "fork_probe.py"
 BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug"]
 SHADOW = "colorsys"  # a stdlib module nobody imports at start-up
 
@@ -38,7 +39,7 @@ async def test_the_preload_finds_the_module_the_cold_start_finds(
     args = [*BASE, "--max-restarts", "1", "--log-dir", str(logs), "--preload", SHADOW,
             "--preload-after", "0", *(["--no-fork-server"] if standbys == "started" else []),
             str(script), str(out)]
-    env = {"SHADOW": SHADOW, "PROBE_GATE": str(gate), "PYTHONPATH": f"{pp}:{TESTS.parent}"}
+    env = {"SHADOW": SHADOW, "PROBE_GATE": str(gate), "PYTHONPATH": f"{pp}:{REPO}"}
     async with supervisor(args, env=env, cwd=cwd) as sup:
         await sup.err.expect(rf"standby for local rank 0 preloaded {SHADOW}", timeout=60)
         gate.touch()

@@ -21,7 +21,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 
 import anyio
-import anyio.to_thread
 from anyio.abc import TaskStatus
 
 from supervisor.workers.guardian import Guardian
@@ -133,7 +132,11 @@ class ForkSlot:
         if self.given_up:
             return
         try:
-            pending = await anyio.to_thread.run_sync(self._start, config)
+            # On the loop's own thread (a few ms, once a run): the kernel sends the server
+            # its death signal when the *thread* that forked it exits, and an anyio worker
+            # thread is retired after 10 s idle. (The standbys are the server's forks,
+            # reparented to the process: their death signal is not tied to a thread.)
+            pending = self._start(config)
         except OSError as exc:
             self._failed_for = config
             self._failed("start", f"cannot start the fork server: {exc}")
