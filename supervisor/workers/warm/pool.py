@@ -315,7 +315,8 @@ class WarmPool:
         """At the supervisor's start (while the rendezvous forms): have the fork server
         import the explicit ``--preload`` list for the command the first attempt will run,
         so that an early crash finds it ready."""
-        if preview is None or not self.forking or not self.options.preload:
+        if preview is None or not self.forking or not self.options.preload \
+                or not self.restart_possible(0):  # no restart to be warm for
             return
         argv, envs = preview
         config = self._config_for(argv, None, envs)
