@@ -18,9 +18,8 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-
-class ConfigError(Exception):
-    """A bad setting: the message is one line naming the key and what is wrong."""
+from supervisor.errors import ConfigError as ConfigError
+from supervisor.rendezvous.registry import BACKENDS
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -42,7 +41,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     virtual_local_rank: bool = False
     numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = None
     # rendezvous
-    rdzv_backend: str = "static"  # one of RDZV_BACKENDS
+    rdzv_backend: str = "static"  # a name in rendezvous/registry.py's BACKENDS
     rdzv_endpoint: str = ""
     rdzv_id: str = "none"
     rdzv_conf: str = ""
@@ -109,10 +108,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 DEFAULT_HEALTH_PORT: Final = 29480  # used when no flag, file or variable names a port
 
 FIELDS: frozenset[str] = frozenset(Settings.__struct_fields__)
-# static: no server; etcd and etcd-v2: an existing etcd (>= 3.4, our v3 backend for both);
-# c10d: the endpoint's host starts a single-member etcd itself (supervisor.rendezvous.c10d)
-RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
-ETCD_BACKENDS = frozenset({"etcd", "etcd-v2"})
+# the registry's names, in its order (what each backend is: rendezvous/registry.py)
+RDZV_BACKENDS = tuple(BACKENDS)
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False, "": False}
 _LIST_FIELDS = {
@@ -237,6 +234,7 @@ def _validation_message(text: str) -> str:
 def validate(s: Settings) -> None:
     """Range and cross-field checks msgspec's types cannot express."""
     s.min_nodes, s.local_world_size, s.backoff  # noqa: B018  (each raises ConfigError if bad)
+    backend = BACKENDS.get(s.rdzv_backend)
     checks: list[tuple[bool, str]] = [
         (s.max_restarts >= 0, f"max_restarts: must be >= 0, got {s.max_restarts}"),
         (s.node_rank >= 0, f"node_rank: must be >= 0, got {s.node_rank}"),
@@ -252,14 +250,14 @@ def validate(s: Settings) -> None:
          "restart_budget_window: must be > 0 seconds"),
         (bool(s.training_script), "training_script: nothing to run (give a script or command)"),
         (not (s.module and s.no_python), "module: --module and --no-python are mutually exclusive"),
-        (s.rdzv_backend in RDZV_BACKENDS,
+        (backend is not None,
          f"rdzv_backend: unknown backend {s.rdzv_backend!r} (valid: {', '.join(RDZV_BACKENDS)})"),
-        (s.rdzv_backend not in ETCD_BACKENDS or bool(s.rdzv_endpoint),
+        (backend is None or not backend.needs_endpoint or bool(s.rdzv_endpoint),
          f"rdzv_endpoint: the {s.rdzv_backend} backend needs --rdzv-endpoint "
          "host:port[,host:port]"),
-        (s.rdzv_backend != "static" or s.min_nodes == s.max_nodes,
-         f"nnodes: the static backend needs a fixed node count, got {s.nnodes!r}"),
-        (s.rdzv_backend != "static" or s.node_rank < s.max_nodes,
+        (backend is None or backend.coordinates_nodes or s.min_nodes == s.max_nodes,
+         f"nnodes: the {s.rdzv_backend} backend needs a fixed node count, got {s.nnodes!r}"),
+        (backend is None or backend.coordinates_nodes or s.node_rank < s.max_nodes,
          f"node_rank: {s.node_rank} is out of range for {s.max_nodes} node(s)"),
         (s.hang_dump in ("none", "py-spy")
          or s.hang_dump.removeprefix("signal:") in signal.Signals.__members__,
@@ -285,7 +283,8 @@ def advisories(s: Settings) -> list[tuple[int, str]]:
     """(logging level, line) for valid settings that have no effect with the chosen
     backend (WARNING), or an effect a user may not expect (INFO); each names the setting."""
     notes: list[tuple[int, str]] = []
-    if s.rdzv_backend == "static":
+    backend = BACKENDS.get(s.rdzv_backend)
+    if backend is not None and not backend.coordinates_nodes:
         if s.rdzv_endpoint:
             notes.append((logging.WARNING,
                           f"rdzv_endpoint: ignored by the static backend ({s.rdzv_endpoint!r}); "

@@ -202,6 +202,7 @@ def status_document(
         "started_at": snapshot.started_at_wall,
         "uptime": _round(uptime),
         "snapshot_age": _round(max(0.0, now_mono - snapshot.published_at)),
+        "stale_events": snapshot.stale_events,
     }
 
 

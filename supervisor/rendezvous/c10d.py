@@ -57,6 +57,7 @@ from supervisor.rendezvous.base import (
 from supervisor.rendezvous.etcd import (
     EtcdRendezvous,
     EtcdRendezvousConfig,
+    EventHook,
     RendezvousConfigError,
     make_config,
 )
@@ -368,13 +369,13 @@ class C10dRendezvous:
                                 job_status=True)
 
     def __init__(self, config: C10dConfig, runtime_dir: Path,
-                 etcd_binary: str | None = None) -> None:
+                 etcd_binary: str | None = None, *, on_event: EventHook | None = None) -> None:
         self.config = config
         self.run_id = config.etcd.run_id
         self.runtime_dir = runtime_dir
         self.etcd_binary = etcd_binary if etcd_binary is not None else shutil.which("etcd")
         self.server: HostedEtcd | None = None
-        self.inner = EtcdRendezvous(config.etcd)
+        self.inner = EtcdRendezvous(config.etcd, on_event=on_event)
         self._job_over = False  # this node saw the job end for everyone: linger as host
         self._left = False
 
@@ -545,7 +546,8 @@ class C10dRendezvous:
 
 def make_c10d_rendezvous(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str,
                          local_addr: str | None, runtime_dir: Path, standalone: bool = False,
-                         master_port: int | None = None) -> C10dRendezvous | StaticRendezvous:
+                         master_port: int | None = None, on_event: EventHook | None = None,
+                         ) -> C10dRendezvous | StaticRendezvous:
     """The c10d backend from torchrun's flags; raises ``RendezvousConfigError``.
 
     ``--standalone`` or port 0 (torchrun's "stacked single-node" line,
@@ -557,5 +559,5 @@ def make_c10d_rendezvous(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: 
                               rdzv_conf=rdzv_conf, local_addr=local_addr)
     if config.port == 0:
         return StaticRendezvous(run_id, 1, 0, "127.0.0.1", master_port)
-    return C10dRendezvous(config, runtime_dir)
+    return C10dRendezvous(config, runtime_dir, on_event=on_event)
 
