@@ -11,9 +11,13 @@ from supervisor.workers.warm.memory import MemorySample, rss_bytes, sample, uss_
 
 
 def test_a_sample_reads_rss_and_uss_of_real_processes() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
-                             stdin=subprocess.PIPE)
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == b"up\n"  # running Python, not still in exec
+        child.stdout.close()
         taken = sample(os.getpid(), {0: child.pid, 1: 2 ** 22 + 7})  # the last: no such pid
         assert taken.server_rss is not None and taken.server_rss > 1 << 20
         assert set(taken.standby_uss) == {0}
