@@ -44,6 +44,7 @@ from supervisor.controller import (
 from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads, interpreter
 from supervisor.core.snapshot import ProgressTable
+from supervisor.discovery import announce, local_url
 from supervisor.events import EventLog
 from supervisor.health.looplag import LoopLag
 from supervisor.logsetup import configure_logging
@@ -193,8 +194,9 @@ async def supervise(
     cookie = uuid.uuid4().hex
     # the guardian also removes the runtime directory if we die (a SIGKILL skips cleanup)
     guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None)
-    # a rank's first output line is progress when it posts no deadlines (ProgressTable)
-    output.on_first_line = lambda local_rank: progress.touch_output(local_rank, time.monotonic())
+    # a line matching --progress-pattern is progress when a rank posts no deadlines
+    output.on_progress_line = lambda local_rank: progress.touch_output(local_rank,
+                                                                       time.monotonic())
     send, receive = anyio.create_memory_object_stream[sm.Event | ForwardSignal | ReopenLogs](
         max_buffer_size=4096
     )
@@ -257,6 +259,7 @@ async def supervise(
             controller.attach(_WatchdogHooks(watchdog, dstate))
             if sock is not None:
                 port = sock.getsockname()[1]
+                announce(runtime.path, local_url(settings.health_host, port), run_id)  # status
                 logger.info("health endpoint on http://%s:%d", settings.health_host, port)
                 events.emit("health_listening", host=settings.health_host, port=port)
                 tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog, goodput,

@@ -67,7 +67,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     duplicate_stderr_filters: list[str] = msgspec.field(default_factory=list)
     event_log: str | None = None
     event_log_handler: str = "null"  # torchrun's; our events always go to the JSONL log
-    logs_specs: str | None = None  # torchrun's LogsSpecs plugin: not supported
+    logs_specs: str | None = None  # torchrun's LogsSpecs: only its default (our own layout)
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # accepted and validated
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "text", "json"] = "auto"
@@ -76,6 +76,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     health_port: int | None = None  # None: DEFAULT_HEALTH_PORT, or a free port if it is busy
     no_health: bool = False
     progress_timeout: float = 60.0
+    progress_pattern: str | None = None  # output lines that are progress (regex)
     # /readyz: 200 at launch, or only once every rank expected to progress did (health.py)
     ready_when: Literal["launched", "progress"] = "progress"
     timer_file: str | None = None
@@ -131,8 +132,9 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 def _nproc(text: str) -> int:
     if text in ("cpu", "auto"):
-        # no accelerator support here: torchrun's "auto" also falls back to the CPU count
-        return os.cpu_count() or 1
+        # no accelerator support here: torchrun's "auto" also falls back to the CPU count,
+        # counted as torch 2.13's cpu_count does: the CPUs this process may run on
+        return len(os.sched_getaffinity(0)) or 1
     if text == "gpu":
         raise ConfigError("nproc_per_node: 'gpu' needs CUDA devices, none visible")
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
@@ -263,8 +265,13 @@ def validate(s: Settings) -> None:
          or s.hang_dump.removeprefix("signal:") in signal.Signals.__members__,
          f"hang_dump: expected none, py-spy or signal:SIGNAME, got {s.hang_dump!r}"),
     ]
-    checks.append((s.logs_specs is None,
-                   "logs_specs: LogsSpecs plugins are not supported; use log_dir, redirects, tee"))
+    if s.logs_specs is not None:
+        from supervisor.torchcompat import default_logs_spec_names
+
+        checks.append((s.logs_specs in default_logs_spec_names(),
+                       f"logs_specs: {s.logs_specs!r} is not torch's default LogsSpecs, and "
+                       "LogsSpecs plugins are not supported; use log_dir, redirects, tee and "
+                       "local_ranks_filter (the default layout)"))
     for name in filter(None, (n.strip() for n in s.signals_to_handle.split(","))):
         known = name in signal.Signals.__members__
         checks.append((known, f"signals_to_handle: unknown signal {name!r}"))
@@ -272,6 +279,11 @@ def validate(s: Settings) -> None:
         ok = all(part.isidentifier() for part in module.split("."))
         checks.append((ok, f"preload: {module!r} is not a module name (e.g. torch,torch._dynamo)"))
     checks.append((s.preload_after >= 0, "preload_after: must be >= 0 seconds"))
+    if s.progress_pattern:
+        try:
+            re.compile(s.progress_pattern)
+        except re.error as exc:
+            checks.append((False, f"progress_pattern: not a regular expression: {exc}"))
     for code in (*s.no_restart_exit_codes, *(s.restart_exit_codes or ())):
         checks.append((0 <= code <= 255, f"no_restart_exit_codes: {code} is not an exit code"))
     for ok, message in checks:
@@ -306,6 +318,18 @@ def advisories(s: Settings) -> list[tuple[int, str]]:
         notes.append((logging.WARNING,
                       f"node_rank: ignored by the etcd backend ({s.node_rank}); "
                       "node ranks are assigned at each rendezvous round"))
+    if s.logs_specs is not None:
+        notes.append((logging.INFO,
+                      f"logs_specs: {s.logs_specs!r} is torch's DefaultLogsSpecs: worker "
+                      "logs follow our own layout, LOG_DIR/RUN_ID/attempt_K/LOCAL_RANK/ "
+                      "(set by log_dir, redirects, tee, local_ranks_filter)"))
+    if s.preload and (s.no_warm_restart or (s.rdzv_backend == "static"
+                                             and s.max_restarts == 0)):
+        why = ("no_warm_restart starts no standbys" if s.no_warm_restart else
+               "max_restarts is 0 and the static backend never restarts for membership, "
+               "so no standby is started; give --max-restarts N")
+        notes.append((logging.WARNING,
+                      f"preload: no effect ({','.join(s.preload)}): {why}"))
     return notes
 
 

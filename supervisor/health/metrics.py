@@ -18,6 +18,7 @@ test process, and the global registry would mix them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
@@ -493,9 +494,11 @@ class GoodputCollector(Collector):
         )
         for cause in CAUSES:
             lost.add_metric((cause,), t.lost_by_cause.get(cause, 0.0) if t else 0.0)
+        # NaN when some time is unknown (no rank had a progress signal): no made-up figure
+        value = (math.nan if t.unknown > 0 else t.ratio or 0.0) if t else 0.0
         ratio = GaugeMetricFamily(
             f"{NAMESPACE}_goodput_ratio", "Effective training time ratio: productive / wall.",
-            value=(t.ratio or 0.0) if t else 0.0,
+            value=value,
         )
         return [
             counter("productive_seconds", "Wall time with every awaited rank progressing.",
@@ -506,6 +509,8 @@ class GoodputCollector(Collector):
                     "shutdown).", t.idle if t else 0.0),
             counter("wall_seconds", "Wall time accounted since the supervisor started.",
                     t.wall if t else 0.0),
+            counter("unknown_seconds", "Wall time after a launch while no rank had a "
+                    "progress signal (productive or lost: not seen).", t.unknown if t else 0.0),
             lost,
             ratio,
         ]

@@ -54,6 +54,7 @@ from supervisor.rendezvous.base import (
     RendezvousError,
     RendezvousResult,
 )
+from supervisor.rendezvous.conf import read_conf
 from supervisor.rendezvous.etcd import (
     EtcdRendezvous,
     EtcdRendezvousConfig,
@@ -81,6 +82,7 @@ _TORCHRUN_KEYS = ("join_timeout", "timeout", "last_call_timeout", "close_timeout
                   "read_timeout", "is_host")
 _ETCD_KEYS = ("lease_ttl", "exit_barrier_timeout", "request_timeout", "outage_limit",
               "node_id")
+_ETCD_ONLY_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file")
 _TRUE, _FALSE = ("1", "true", "t", "yes", "y"), ("0", "false", "f", "no", "n")
 
 
@@ -135,12 +137,14 @@ def _split_conf(text: str) -> tuple[dict[str, str], str]:
     """(c10d-only keys, the rest as ``k=v,...`` for the etcd backend's parser)."""
     own: dict[str, str] = {}
     passed: list[str] = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = (x.strip() for x in item.partition("="))
-        _check(bool(sep and key), f"--rdzv-conf: expected key=value, got {item!r}")
-        _check(key in _TORCHRUN_KEYS or key in _ETCD_KEYS,
-               f"--rdzv-conf: unknown key {key!r} for c10d "
-               f"(known: {', '.join(sorted(_TORCHRUN_KEYS + _ETCD_KEYS))})")
+    read = read_conf(text, _TORCHRUN_KEYS + _ETCD_KEYS + _ETCD_ONLY_KEYS, "c10d")
+    for warning in read.warnings:  # unknown keys are ignored, as torchrun ignores them
+        logger.warning("%s", warning)
+    for key, value in read.items:
+        # known, but meaningless for the hosted etcd: refused, never silently dropped
+        # (a TLS or password setting that does nothing would be worse than an error)
+        _check(key not in _ETCD_ONLY_KEYS,
+               f"--rdzv-conf: {key} is a key of --rdzv-backend etcd, not c10d")
         if key in ("close_timeout", "read_timeout", "is_host"):
             own[key] = value
         else:

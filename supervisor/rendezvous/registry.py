@@ -15,6 +15,7 @@ import msgspec
 
 from supervisor.errors import ConfigError
 from supervisor.rendezvous.base import Rendezvous
+from supervisor.rendezvous.conf import read_conf
 
 if TYPE_CHECKING:  # config validates against BACKENDS: it imports this module
     from supervisor.config import Settings
@@ -104,8 +105,9 @@ def conf_barrier_timeout(settings: Settings, rendezvous: Rendezvous) -> Settings
     Call after ``make_rendezvous``, which validated the conf."""
     if not rendezvous.capabilities.coordinates_nodes:
         return settings
-    pairs = (item.partition("=") for item in settings.rdzv_conf.split(","))
-    value = {key.strip(): raw.strip() for key, _, raw in pairs}.get("exit_barrier_timeout")
+    # read as the backends read it: quotes a shell left are stripped, unknown keys skipped
+    known = read_conf(settings.rdzv_conf, ("exit_barrier_timeout",), settings.rdzv_backend)
+    value = dict(known.items).get("exit_barrier_timeout")
     if value is None:
         return settings
     return msgspec.structs.replace(settings, exit_barrier_timeout=float(value))
