@@ -140,7 +140,13 @@ def main() -> None:
     # down: without this gloo can abort a rank whose peer closed first
     # ("terminate called without an active exception")
     dist.barrier()
-    dist.destroy_process_group()
+    # No destroy_process_group(): the process leaves through os._exit below, with the group
+    # alive. Destroying it deadlocks now and then (torch 2.13, gloo): ``ddp``'s Reducer
+    # holds the group, so the group's last reference goes when this frame is cleared, with
+    # the GIL held; ~ProcessGroupGloo joins its work threads, and one of them may still be
+    # dropping the barrier's work, whose tensors need the GIL to be released (stacks:
+    # main thread in std::thread::join under ~Reducer, pt_gloo_runloop in take_gil under
+    # ~AsyncBarrierWork). Seen about 1 run in 8 as a rank that never exits.
 
 
 if __name__ == "__main__":
