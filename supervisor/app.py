@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +33,15 @@ if TYPE_CHECKING:
     from supervisor.rendezvous.etcd import EtcdRendezvous
 
 from supervisor.accounting import GoodputRecorder
-from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, Settings, advisories
+from supervisor.config import (
+    DEFAULT_HEALTH_PORT,
+    ConfigError,
+    Settings,
+    advisories,
+    healing_enabled,
+    healing_limits,
+    node_check_argv,
+)
 from supervisor.controller import (
     Attempt,
     CommandFor,
@@ -49,6 +57,7 @@ from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads
 from supervisor.core.snapshot import ProgressTable, Snapshot
 from supervisor.events import EventLog
+from supervisor.healing import Healing
 from supervisor.health.looplag import LoopLag
 from supervisor.logsetup import configure_logging
 from supervisor.rendezvous.base import Rendezvous, RendezvousError
@@ -65,6 +74,7 @@ from supervisor.watchdog.escalate import HangDump, resolve_hang_dump
 from supervisor.watchdog.fifo import FifoError, check_fifo_path
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
+from supervisor.workers.nodecheck import NodeChecker
 from supervisor.workers.output import OutputPlan, OutputSpecError
 from supervisor.workers.topology import cpus_for
 
@@ -188,6 +198,32 @@ def check_master_addr(settings: Settings) -> None:
                            "it (the default is 127.0.0.1)", addr)
 
 
+def check_node_check(settings: Settings, environ: Mapping[str, str]) -> None:
+    """``--node-check``'s program exists and may be run (else exit 2, one line)."""
+    argv = node_check_argv(settings)
+    if argv and shutil.which(argv[0], path=environ.get("PATH")) is None:
+        raise ConfigError(f"node_check: command not found or not executable: {argv[0]!r}")
+
+
+def make_healing(settings: Settings, rendezvous: Rendezvous, events: EventLog,
+                 base_env: Mapping[str, str], run_id: str, log_root: Path, *,
+                 changed: Callable[[], None]) -> Healing:
+    """Root causes always; node checks and quarantine when asked for (``healing_enabled``).
+    The check gets the rank-independent part of the workers' environment."""
+    limits = healing_limits(settings)
+    ledger = rendezvous.node_ledger(limits)
+    checker = None
+    if healing_enabled(settings):
+        env = {**base_env, "TORCHELASTIC_RUN_ID": run_id, "ELASTIC_SUPERVISOR_RUN_ID": run_id,
+               "ELASTIC_SUPERVISOR_NODE_ID": ledger.node, "ROLE_NAME": settings.role,
+               "LOCAL_WORLD_SIZE": str(settings.local_world_size),
+               "TORCHELASTIC_MAX_RESTARTS": str(settings.max_restarts)}
+        checker = NodeChecker(node_check_argv(settings), env, settings.node_check_timeout,
+                              log_root)
+    return Healing(limits, ledger, checker, events, interval=settings.node_check_interval,
+                   retry=settings.node_check_retry, changed=changed)
+
+
 def check_devices(settings: Settings, environ: Mapping[str, str]) -> None:
     """Virtual local rank hands each worker one entry of CUDA_VISIBLE_DEVICES: enough?"""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
@@ -231,6 +267,7 @@ async def supervise(
     """
     if command is None:
         check_runnable(settings, environ)
+    check_node_check(settings, environ)
     check_devices(settings, environ)
     check_master_addr(settings)
     hang_dump = check_hang_dump(settings, environ)
@@ -290,14 +327,17 @@ async def supervise(
     # a rank's first output line is progress when it posts no deadlines (ProgressTable)
     output.on_first_line = lambda local_rank: progress.touch_output(local_rank, time.monotonic())
     observers: list[Observer] = [_StopNotice(reporter), goodput]
+    base_env = worker_base_env(environ, settings.local_world_size, cookie)
+    healing = make_healing(settings, rendezvous, events, base_env, run_id, log_root,
+                           changed=lambda: hub.publish(controller.snapshot()))
     controller = Controller(
         settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
-        output=output, environ=worker_base_env(environ, settings.local_world_size, cookie),
+        output=output, environ=base_env,
         timer_file=str(timer_file) if timer_file else None, guardian=guardian,
         exempt_pids=[guardian.pid, *rendezvous_children(rendezvous)],
         sweep_adopted=not embedded, command=command, cpus=cpus,
         progress=progress, observers=observers,
-        stop_guard=lambda: extending_timeout(notifier), goodput=goodput,
+        stop_guard=lambda: extending_timeout(notifier), goodput=goodput, healing=healing,
     )
     goodput.republish = lambda: hub.publish(controller.snapshot())
     if etcd is not None:  # an outage's start and end change /status: publish them
@@ -348,6 +388,8 @@ async def supervise(
             code = await controller.run(receive, send)
             reporter.publish(hub.current)
             await _close_rendezvous(rendezvous, controller.state)
+            if controller.state.phase is sm.Phase.QUARANTINED:  # a c10d host serves on
+                await rendezvous.serve_until_job_ends()
             tg.cancel_scope.cancel()
     finally:
         if sock is not None:
@@ -446,8 +488,8 @@ async def _close_rendezvous(rendezvous: Rendezvous, state: sm.State) -> None:
     """A node that was asked to stop leaves alone; a job that failed here fails for all."""
     with anyio.CancelScope(shield=True), anyio.move_on_after(10):
         try:
-            if state.phase is sm.Phase.STOPPED:
-                await rendezvous.leave()
+            if state.phase in (sm.Phase.STOPPED, sm.Phase.QUARANTINED):
+                await rendezvous.leave()  # lease revoked: the others re-form at once
             elif state.phase is sm.Phase.FAILED and state.root_cause is not None and (
                 state.root_cause.kind not in (sm.FailureKind.REMOTE, sm.FailureKind.RENDEZVOUS)
             ):

@@ -96,6 +96,18 @@ def _run_parser() -> argparse.ArgumentParser:
           help="modules each standby imports before a restart, e.g. torch,torch._dynamo")
     _flag(p, "preload-after", type=float,
           help="standbys start preloading once every rank progressed, or after this (5 s)")
+    _flag(p, "max-node-failures", type=int,
+          help="a node that is the root cause of K failures in the window quarantines "
+          "itself: exit 200 (default 0: off)")
+    _flag(p, "node-failure-window", type=float, help="seconds failures count (3600)")
+    _flag(p, "max-quarantined", type=int, help="nodes quarantined at most, job-wide (1)")
+    _flag(p, "node-check", help="command (no shell) that exits 0 on a healthy node; run "
+          "before joining, after a local failure, every --node-check-interval")
+    _flag(p, "node-check-timeout", type=float, help="node check time limit (60 s)")
+    _flag(p, "node-check-interval", type=float,
+          help="node check period while workers run (default 0: none)")
+    _flag(p, "node-check-retry", type=float,
+          help="a node failing its check before joining re-checks after this (30 s)")
     _flag(p, "restart-backoff", help="BASE:MAX seconds of exponential backoff (default 0:0)")
     _flag(p, "restart-budget-window", type=float, help="healthy seconds that refill the budget")
     _flag(p, "no-restart-exit-codes", type=_int_csv, help="exit codes that end the job at once")

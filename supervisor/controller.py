@@ -33,7 +33,12 @@ from supervisor.core.snapshot import (
     WorkerView,
 )
 from supervisor.events import EventLog
-from supervisor.rendezvous.base import Rendezvous, RendezvousError, RendezvousResult
+from supervisor.rendezvous.base import (
+    Rendezvous,
+    RendezvousClosed,
+    RendezvousError,
+    RendezvousResult,
+)
 from supervisor.workers.group import (
     Attempt,
     AttemptPrepError,
@@ -53,6 +58,7 @@ __all__ = ["Attempt", "CommandFor", "Controller", "CpusFor", "ForwardSignal", "O
 
 if TYPE_CHECKING:
     from supervisor.accounting import GoodputRecorder
+    from supervisor.healing import Healing
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +139,7 @@ class Controller:
         progress: ProgressTable | None = None,
         stop_guard: StopGuard | None = None,
         goodput: GoodputRecorder | None = None,
+        healing: Healing | None = None,
     ) -> None:
         self.settings = settings
         self.rendezvous = rendezvous
@@ -147,6 +154,7 @@ class Controller:
         self.progress = progress or ProgressTable()
         self.stop_guard = stop_guard
         self.goodput = goodput  # also one of the observers; read for snapshots, summary
+        self.healing = healing  # node checks, root causes, quarantine (supervisor.healing)
         self.started = time.monotonic()
         # transitions so far, for an observer that attaches late (the metrics, created
         # after the first launch so their imports do not delay it); None once replayed
@@ -316,12 +324,19 @@ class Controller:
         self._tg.start_soon(body)
 
     async def _rendezvous_round(self) -> None:
+        if self.healing is not None:
+            await self.healing.admit()  # a held or failing node does not join
         started = time.monotonic()
         try:
             result = await self.rendezvous.next_round(self.settings.local_world_size)
+        except RendezvousClosed as exc:
+            self._post(sm.RendezvousFailed(str(exc), time.monotonic(), exc.succeeded))
+            return
         except RendezvousError as exc:
             self._post(sm.RendezvousFailed(str(exc), time.monotonic()))
             return
+        if result.spare and self.healing is not None:
+            self.healing.spare_admitted(result.round)
         self.round = msgspec.structs.replace(result, duration=time.monotonic() - started)
         job_restarts = await self._job_restarts()
         self.events.emit(
@@ -390,7 +405,7 @@ class Controller:
             self._apply(sm.LaunchFailed(decision.attempt, str(exc), time.monotonic()))
             return
         self.events.attempt = self.shown_attempt(decision.attempt)  # a taken K was skipped
-        self._tg.start_soon(group.supervise, attempt, self._watch_membership)
+        self._tg.start_soon(group.supervise, attempt, self._watch_membership, self._watch_node)
         layout = attempt.layout
         self.events.emit(
             "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
@@ -459,6 +474,11 @@ class Controller:
         self.events.emit("membership_changed", reason=reason)
         self._post(sm.MembershipChanged(reason))
 
+    async def _watch_node(self, attempt: Attempt) -> None:
+        """The node check every interval while this attempt runs."""
+        if self.healing is not None:
+            self._post(await self.healing.watch())
+
     def _stop(self, decision: sm.StopGroup) -> None:
         if decision.reason in (sm.StopReason.SHUTDOWN, sm.StopReason.FATAL):
             self._action.cancel()  # no more rendezvous, backoff or barrier
@@ -481,9 +501,32 @@ class Controller:
             else nullcontext()
         )
         async with guard:
-            await self._stop_workers(attempt, decision)
+            resolved = await self._stop_and_resolve(attempt, decision)
+        if resolved is not None:  # before GroupStopped: it decides where the stop leads
+            self._apply(resolved)
         self.events.emit("group_stopped", seconds=round(time.monotonic() - started, 6))
         self._post(sm.GroupStopped(time.monotonic(), self._rng.random()))
+
+    async def _stop_and_resolve(self, attempt: Attempt | None, decision: sm.StopGroup
+                                ) -> sm.Event | None:
+        """Stop the workers; meanwhile, for a failure, ask whether it was another node's
+        (a remote consequence) or the K-th of this node's (quarantine)."""
+        root = self.state.root_cause
+        if self.healing is None or root is None or decision.reason is not sm.StopReason.FAILURE:
+            await self._stop_workers(attempt, decision)
+            return None
+        healing, found = self.healing, list[sm.Event | None]()
+        rnd = self.round
+        rank = None if root.local_rank is None or attempt is None else (
+            attempt.layout.rank_offset + root.local_rank)
+
+        async def resolve() -> None:
+            found.append(await healing.resolve(root, rnd.round if rnd else 0, rank))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(resolve)
+            await self._stop_workers(attempt, decision)
+        return found[0] if found else None
 
     async def _stop_workers(self, attempt: Attempt | None, decision: sm.StopGroup) -> None:
         await self.group.stop(attempt, decision.signum)
@@ -627,6 +670,7 @@ class Controller:
             exit_code=s.exit_code,
             goodput=self.goodput.ledger() if self.goodput is not None else None,
             ready_when=self.settings.ready_when,
+            node_health=self.healing.view() if self.healing and self.healing.enabled else None,
         )
 
     def status_line(self) -> str:
@@ -636,6 +680,9 @@ class Controller:
         budget = f"restarts {s.restart_count}/{self.settings.max_restarts}"
         shown = self.shown_attempt(s.attempt)
         line = f"{s.phase.value} attempt {shown}: {up}/{n} workers, {budget}"
+        health = self.healing.status_line() if self.healing is not None else None
+        if health is not None and s.phase is sm.Phase.RENDEZVOUS:
+            line = f"{health}, {budget}"
         # the port actually used: it differs from the default when that one was busy
         return line if self.health_port is None else f"{line}, health port {self.health_port}"
 

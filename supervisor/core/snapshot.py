@@ -104,6 +104,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     # goodput and readiness (supervisor.core.goodput, health.readiness)
     goodput: Ledger | None = None
     ready_when: str = "launched"  # "launched" or "progress"
+    node_health: dict[str, Any] | None = None  # healing: checks, spare, quarantine (healing.py)
 
 
 ProgressListener = Callable[[int, int, float], None]

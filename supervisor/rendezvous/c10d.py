@@ -47,8 +47,10 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskStatus
 
+from supervisor.core.nodehealth import Limits
 from supervisor.rendezvous.base import (
     BarrierResult,
+    NodeLedger,
     RendezvousClosed,
     RendezvousError,
     RendezvousResult,
@@ -507,6 +509,19 @@ class C10dRendezvous:
         gone = self.server is None and not await self._host_answers()
         with anyio.move_on_after(PROBE_TIMEOUT if gone else math.inf):
             await self.inner.leave()
+
+    def node_ledger(self, limits: Limits) -> NodeLedger:
+        return self.inner.node_ledger(limits)
+
+    async def serve_until_job_ends(self) -> None:
+        """As host: until the job is over for everyone (a host that quarantined itself
+        keeps serving, without workers: the other nodes depend on its etcd)."""
+        if self.server is None:
+            return
+        logger.info("c10d: this node left the job but keeps serving the rendezvous at %s "
+                    "until the job ends", self.config.endpoint)
+        await self.inner.wait_job_closed()
+        self._job_over = True
 
     async def aclose(self) -> None:
         """Close the etcd rendezvous; as host, give the other nodes up to ``close_timeout``

@@ -32,8 +32,10 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
+from supervisor.core.nodehealth import Limits
 from supervisor.rendezvous.base import (
     BarrierResult,
+    NodeLedger,
     RendezvousClosed,
     RendezvousError,
     RendezvousResult,
@@ -59,6 +61,7 @@ from supervisor.rendezvous.etcd_config import (
     parse_nnodes,
     parse_rdzv_conf,
 )
+from supervisor.rendezvous.etcd_health import EtcdNodeLedger
 from supervisor.rendezvous.etcd_leader import Leader
 from supervisor.rendezvous.etcd_lease import LeaseKeeper, PausableDeadline
 from supervisor.rendezvous.etcd_state import (
@@ -128,6 +131,8 @@ class EtcdRendezvous:
         self._last_round = -1  # the last round this node was handed
         self._joined = -1  # the round this node's join key is in (-1: none)
         self._waiting = -1  # the round this node's wait key is in
+        self._spare = False  # waiting beyond max_nodes: join_timeout does not run
+        self._was_spare = False  # since the last round this node was handed
         self._evicted = False  # lease lost while etcd was reachable: the others saw it go
         self._held: dict[str, tuple[str, list[JsonDict]]] = {}  # lease-bound: value, guard
         self._deadlines: set[PausableDeadline] = set()
@@ -259,7 +264,8 @@ class EtcdRendezvous:
         if reachable:
             logger.warning("etcd reachable again after %.1fs", r.last_outage)
             for deadline in self._deadlines:
-                deadline.resume()
+                if not self._spare:  # a spare's join_timeout stays paused
+                    deadline.resume()
             self._emit("etcd_reachable", outage=round(r.last_outage, 3), outages=r.outages)
             return
         limit = self.config.outage_limit
@@ -404,7 +410,8 @@ class EtcdRendezvous:
         while True:
             seen, state = self._ctl.version, self._state()
             if state.closed is not None:
-                raise RendezvousClosed(f"job {self.run_id} is closed: {state.closed['reason']}")
+                raise RendezvousClosed(f"job {self.run_id} is closed: {state.closed['reason']}",
+                                       succeeded=bool(state.closed.get("ok")))
             done = await self._step(state, lws)
             if isinstance(done, tuple):
                 return self._result(state.round, *done, started)
@@ -429,6 +436,7 @@ class EtcdRendezvous:
         return await self._waiting_room(state, n, members)
 
     async def _join(self, state: State, n: int, lws: int) -> bool:
+        self._set_spare(False)
         me = Member(self.node_id, self.config.local_addr, lws)
         same_round = round_guard(state)
         guard = [*same_round, compare(self._keys.result(n), "VERSION", "=", 0)]
@@ -464,7 +472,32 @@ class EtcdRendezvous:
             return True
         self._progress = (f"waiting to be admitted: round {n} runs with {len(members)} "
                           f"node(s) (max {self.config.max_nodes})")
+        if len(members) >= self.config.max_nodes:
+            self._set_spare(True, round=n)
         return False
+
+    def _set_spare(self, spare: bool, **fields: Any) -> None:
+        """A node beyond max_nodes is a spare: it waits for as long as the job runs
+        (join_timeout is paused) and is admitted by the next round that has room."""
+        if spare == self._spare:
+            return
+        self._spare = spare
+        self._was_spare = self._was_spare or spare
+        for deadline in self._deadlines:
+            if spare:
+                deadline.pause()
+            elif self._client.reachability.unreachable_since is None:
+                deadline.resume()
+        if spare:
+            logger.info("etcd rendezvous: waiting as a spare (%s)", self._progress)
+            self._emit("spare_waiting", **fields)
+        else:
+            self._emit("spare_joining")
+
+    @property
+    def spare(self) -> bool:
+        """This node waits as a spare (beyond max_nodes, the round is full)."""
+        return self._spare
 
     async def _advance(self, state: State, n: int, reason: str) -> bool:
         """Open round n+1 (if nobody did yet) and forget round n-1."""
@@ -480,11 +513,12 @@ class EtcdRendezvous:
         rank = ids.index(self.node_id)
         sizes = [m.local_world_size for m in members]
         self._last_round = n
+        spare, self._was_spare = self._was_spare, False
         return RendezvousResult(
             round=n, group_rank=rank, group_world_size=len(members),
             rank_offset=sum(sizes[:rank]), world_size=sum(sizes),
             master_addr=master[0], master_port=master[1], members=tuple(ids),
-            duration=time.monotonic() - started,
+            duration=time.monotonic() - started, spare=spare,
         )
 
     # while the round runs
@@ -604,6 +638,24 @@ class EtcdRendezvous:
                                       f"not answer within {self.config.lease_ttl}s")
         logger.error("etcd rendezvous %s closed as failed: %s", self.run_id, message)
 
+    def node_ledger(self, limits: Limits) -> NodeLedger:
+        """This node's health facts in the job's etcd (``etcd_health``)."""
+        return EtcdNodeLedger(self._client, self._keys.prefix, self.config.health_id,
+                              self.node_id, limits, spare=lambda: self._spare)
+
+    async def serve_until_job_ends(self) -> None:
+        """Nothing to serve: an external etcd outlives this node."""
+
+    async def wait_job_closed(self) -> None:
+        """Until the job is closed for everyone (a quarantined c10d host serves until then)."""
+        await self._ready.wait()
+        assert self._ctl is not None
+        while True:
+            seen = self._ctl.version
+            if self._state().closed is not None:
+                return
+            await self._ctl.wait_changed(seen)
+
     async def _close(self, *, ok: bool, reason: str) -> None:
         await self._client.txn(*close_job_txn(self._keys, ok=ok, reason=reason,
                                               node=self.node_id))
@@ -614,7 +666,7 @@ class EtcdRendezvous:
         """Hold the leader key when nobody does, and lead while holding it."""
         assert self._ctl is not None
         delay = 0.05
-        while not self._lease.given_up.is_set():
+        while not self._lease.given_up.is_set() and not self._left:  # left: no lease
             seen, leader = self._ctl.version, self._state().leader
             try:
                 if leader is None:
