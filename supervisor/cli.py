@@ -167,6 +167,7 @@ COMMANDS = {
            "(also what flags without a command mean)",
     "check-config": "validate a TOML config file and print the resolved settings",
     "status": "show a running supervisor's state, read from its health endpoint",
+    "node": "list or clear a job's node health records (quarantined nodes) in etcd",
 }
 
 
@@ -227,6 +228,10 @@ def _main(args: list[str]) -> int:
             from supervisor.statuscmd import main_status
 
             return main_status(rest)
+        if ns.command == "node":
+            from supervisor.nodecmd import main_node
+
+            return main_node(rest)
         if not rest and "PET_TRAINING_SCRIPT" not in os.environ:
             _run_parser().print_usage(sys.stderr)
             sys.stderr.write("elastic-supervisor run: error: give a script or command to run "
