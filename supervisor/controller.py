@@ -324,8 +324,11 @@ class Controller:
         self._tg.start_soon(body)
 
     async def _rendezvous_round(self) -> None:
-        if self.healing is not None:
-            await self.healing.admit()  # a held or failing node does not join
+        if self.healing is not None:  # a held or failing node does not join
+            quarantined = await self.healing.admit()
+            if quarantined is not None:
+                self._post(quarantined)
+                return
         started = time.monotonic()
         try:
             result = await self.rendezvous.next_round(self.settings.local_world_size)

@@ -64,20 +64,23 @@ class Healing:
         return self.limits.enabled or self.checker is not None
 
     # ------------------------------------------------------------------ before a round
-    async def admit(self) -> None:
-        """Return once this node may join a round."""
+    async def admit(self) -> sm.NodeQuarantined | None:
+        """Return once this node may join a round; or the quarantine, when its check fails
+        and no other node could take its place (the static backend)."""
         await self._wait_until_cleared()
         if self.checker is None:
             self._set("healthy", "")
-            return
+            return None
         if not self._recheck and nh.check_is_fresh(self.last_check, time.monotonic(),
                                                    self.interval):
-            return
+            return None
         while True:
             result = await self._check("before joining")
             if result.ok:
                 self._recheck = False
-                return
+                return None
+            if not self.ledger.replaceable:
+                return self._quarantined(result.reason)
             logger.warning("node check failed, not joining; again in %g s: %s",
                            self.retry, result.reason)
             await anyio.sleep(self.retry)

@@ -56,6 +56,15 @@ def test_a_shutdown_is_not_turned_into_a_quarantine() -> None:
     assert state.phase is sm.Phase.STOPPED and state.exit_code == 143
 
 
-def test_a_quarantine_notice_outside_a_run_is_ignored() -> None:
-    state, decisions = run([sm.NodeQuarantined("late", 1.0)])
-    assert state.phase is sm.Phase.RENDEZVOUS and decisions == [sm.Nothing()]
+def test_a_failed_check_before_the_first_round_ends_a_node_nothing_can_replace() -> None:
+    state, decisions = run([sm.NodeQuarantined("node check exited with code 1", 1.0)])
+    assert state.phase is sm.Phase.QUARANTINED
+    assert decisions == [sm.Exit(EXIT_QUARANTINED, "node quarantined: node check exited "
+                                                   "with code 1")]
+
+
+def test_a_quarantine_notice_while_backing_off_is_ignored() -> None:
+    state, _ = run([*LAUNCHED, FAILED, sm.GroupStopped(2.0)])
+    assert state.phase is sm.Phase.BACKOFF
+    new, decision = sm.transition(state, sm.NodeQuarantined("late", 3.0), POLICY)
+    assert new == state and decision == sm.Nothing()

@@ -381,9 +381,13 @@ def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State
         ):
             return replace(state, stop_reason=StopReason.QUARANTINE,
                            last_decision_reason=f"node quarantined: {event.message}"), Nothing()
-        case Phase.STOPPING | Phase.BACKOFF | Phase.RENDEZVOUS | Phase.EXIT_BARRIER, (
-            NodeQuarantined()
-        ):
+        # RENDEZVOUS -> QUARANTINED: the check failed and nothing can take the node's place
+        case Phase.RENDEZVOUS, NodeQuarantined():
+            failure = Failure(FailureKind.NODE_CHECK, state.attempt, event.at,
+                              message=event.message)
+            return _finish(state, Phase.QUARANTINED, EXIT_QUARANTINED,
+                           f"node quarantined: {event.message}", failure)
+        case Phase.STOPPING | Phase.BACKOFF | Phase.EXIT_BARRIER, NodeQuarantined():
             return state, Nothing()
         case Phase.RUNNING, MembershipChanged():
             return _stop_for(state, StopReason.MEMBERSHIP, None)

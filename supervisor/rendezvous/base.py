@@ -126,6 +126,9 @@ class NodeLedger(Protocol):
 
     node: str  # this node's health id
     member: str  # its rendezvous member id
+    # another node can take this one's place: a node failing its check waits (re-checking)
+    # instead of ending the run with the quarantine exit code (the static backend: False)
+    replaceable: bool
 
     @property
     def spare(self) -> bool:

@@ -139,6 +139,7 @@ class EtcdNodeLedger:
         self.limits = limits
         self._spare = spare  # () -> bool: the rendezvous says this node waits as a spare
         self._key = health_prefix(prefix) + node
+        self.replaceable = True
 
     @property
     def spare(self) -> bool:

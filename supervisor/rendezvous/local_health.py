@@ -21,6 +21,7 @@ class LocalNodeLedger:
     def __init__(self, limits: nh.Limits, node: str | None = None) -> None:
         self.node = node or socket.gethostname()
         self.member = self.node
+        self.replaceable = False
         self.limits = limits
         self._record = nh.NodeRecord(self.node)
 
