@@ -3,7 +3,7 @@
 ``--sick-dir D``: unhealthy (exit 1, first line names the node) while ``D/sick-<node>``
 exists, <node> being $ELASTIC_SUPERVISOR_NODE_ID. ``--hang PIDFILE``: start a grandchild in
 the same process group, write both pids to PIDFILE, then sleep forever. ``--flood N``:
-print N bytes of output, then exit 1.
+print N bytes of output, then exit 1. ``--sleep S``: take S seconds first.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ def main() -> None:
     p.add_argument("--sick-dir", default=None)
     p.add_argument("--hang", default=None)
     p.add_argument("--flood", type=int, default=0)
+    p.add_argument("--sleep", type=float, default=0.0, help="take this long (a slow check)")
     args = p.parse_args()
+    time.sleep(args.sleep)
     node = os.environ.get("ELASTIC_SUPERVISOR_NODE_ID", "?")
     if args.hang:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
