@@ -585,6 +585,10 @@ async def serve_when_launched(
         from supervisor.rendezvous.etcd_metrics import EtcdCollector
 
         metrics.registry.register(EtcdCollector(etcd))
+    if controller.healing is not None:
+        from supervisor.health.healing_metrics import HealingCollector
+
+        metrics.registry.register(HealingCollector(controller.healing))
     metrics.watch_loop(lag)
     metrics.watch_event_log(controller.events)
     metrics.watch_output(controller.output.loss)
