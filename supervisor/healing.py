@@ -78,6 +78,7 @@ class Healing:
             result = await self._check("before joining")
             if result.ok:
                 self._recheck = False
+                await self.refresh_job_view()
                 return None
             if not self.ledger.replaceable:
                 return self._quarantined(result.reason)
@@ -153,6 +154,7 @@ class Healing:
             logger.warning("cannot record this failure job-wide (it counts as this node's): "
                            "%s", exc)
             return None
+        await self.refresh_job_view()
         self.events.emit("node_failure", verdict=judgement.verdict.value,
                          reason=judgement.reason, failures=len(judgement.failures))
         if judgement.quarantine:
@@ -204,7 +206,8 @@ class Healing:
     async def refresh_job_view(self) -> None:
         """Read every node's record once (for /status); best effort."""
         try:
-            self._job = await self.ledger.job_view()
+            with anyio.fail_after(LEDGER_TIMEOUT):
+                self._job = await self.ledger.job_view()
         except (RendezvousError, TimeoutError) as exc:
             logger.debug("cannot read the job's node records: %s", exc)
 

@@ -52,12 +52,20 @@ async def test_a_bad_node_quarantines_itself_and_the_spare_takes_its_place(
 ) -> None:
     async with healing_job(tmp_path, server.endpoint, flags=HEAL) as job:
         bad, others = await start_three_and_a_spare(job)
+        shown = await run_cli("status", "--rdzv-endpoint", job.endpoint, "--rdzv-id",
+                              job.run_id)
+        assert any(line.split()[:1] == ["n3"] and " spare " in line
+                   for line in shown.stdout.splitlines()), shown.stdout
         job.bad_gate.touch()
         assert await exit_code(bad, timeout=60) == EXIT_QUARANTINED
         assert "quarantining node n0: 2 failure(s) of this node" in bad.sup.err.text()
         assert [e["node"] for e in bad.events("node_quarantined")] == ["n0"]
         # the spare trains on in the group, with the two healthy nodes
         await others[2].sup.out.expect(r"^ready \d n3 world 3$", timeout=30)
+        shown = await run_cli("status", "--rdzv-endpoint", job.endpoint, "--rdzv-id",
+                              job.run_id)
+        assert any(line.split()[:1] == ["n0"] and " quarantined " in line
+                   for line in shown.stdout.splitlines()), shown.stdout
         job.done.touch()
         for node in others:
             assert await exit_code(node, timeout=60) == 0, node.sup.err.text()

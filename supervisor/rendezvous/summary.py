@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import anyio
 
 from supervisor.core.goodput import Ledger, totals
+from supervisor.core.nodehealth import NodeRecord
 from supervisor.core.snapshot import Snapshot
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
 
@@ -49,12 +50,16 @@ def node_summary(
 ) -> dict[str, Any]:
     """The summary of one node: nothing in it changes unless the node's state does."""
     failure = snapshot.last_failure
+    health = snapshot.node_health or {}
     return {
         "node_id": node_id,
         # a node waiting to join has no rank yet
         "node_rank": snapshot.rendezvous.group_rank if snapshot.rendezvous.members else None,
         "host": host,
-        "state": snapshot.phase,
+        # a spare waits in the rendezvous phase: say what it is
+        "state": "spare" if health.get("spare") else snapshot.phase,
+        "health": ({"state": health.get("state"), "reason": str(health.get("reason") or "")[:300]}
+                   if health else None),
         "attempt": snapshot.attempt,
         "restarts": snapshot.restart_count,
         "max_restarts": snapshot.max_restarts,
@@ -161,7 +166,27 @@ class SummaryPublisher:
 
 
 async def read_summaries(client: EtcdClient, run_id: str) -> list[dict[str, Any]]:
-    """Every node's summary of a job, ordered by node rank then id; bad values skipped."""
+    """Every node's summary of a job, ordered by node rank then id; bad values skipped.
+    A quarantined node (its summary went with its lease) gets a row from its record."""
+    rows = await _read_summaries(client, run_id)
+    shown = {str(r.get("node_id")) for r in rows}
+    rows += [{"node_id": r.node, "node_rank": None, "host": "-", "state": "quarantined",
+              "last_failure": r.quarantined.reason, "restarts": "-", "max_restarts": "-"}
+             for r in await _quarantined(client, run_id) if r.quarantined is not None
+             and r.node not in shown and r.member not in shown]
+    return rows
+
+
+async def _quarantined(client: EtcdClient, run_id: str) -> list[NodeRecord]:
+    from supervisor.rendezvous.etcd_health import health_prefix, records_of
+    from supervisor.rendezvous.etcd_state import Keys
+
+    prefix = Keys(run_id).prefix
+    found = await client.range(health_prefix(prefix), prefix=True)
+    return records_of(list(found.kvs), prefix)
+
+
+async def _read_summaries(client: EtcdClient, run_id: str) -> list[dict[str, Any]]:
     result = await client.range(summary_prefix(run_id), prefix=True)
     rows = []
     for kv in result.kvs:
