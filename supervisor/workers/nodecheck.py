@@ -49,7 +49,7 @@ class NodeChecker:
 
     async def run(self) -> CheckResult:
         """Run every check once; raises ``NodeCheckConfigError`` if the command cannot
-        run (exit 126/127 or no such program)."""
+        run on its first run (exit 126/127 or no such program); later, that is unhealthy."""
         started = time.monotonic()
         self.runs += 1
         reason = await anyio.to_thread.run_sync(check_log_dir, self.log_dir)
@@ -57,7 +57,7 @@ class NodeChecker:
         timed_out = False
         if not reason and self.argv:
             code, timed_out, output = await run_command(self.argv, self.env, self.timeout)
-            if code in NOT_RUNNABLE:
+            if code in NOT_RUNNABLE and self.runs == 1:  # at start: a setting, not the node
                 raise NodeCheckConfigError(
                     f"node_check: {self.argv[0]!r} exited with {code} "
                     f"({'not executable' if code == 126 else 'not found'}): "
