@@ -55,7 +55,8 @@ class HealingJob:
     """Nodes of one job; see ``healing_job``."""
 
     def __init__(self, stack: AsyncExitStack, root: Path, endpoint: str, nnodes: str,
-                 flags: Sequence[str], worker: Sequence[str], conf: str) -> None:
+                 flags: Sequence[str], worker: Sequence[str], conf: str,
+                 backend: str = "etcd") -> None:
         self.stack = stack
         self.root = root
         self.endpoint = endpoint
@@ -63,6 +64,7 @@ class HealingJob:
         self.flags = list(flags)
         self.worker = list(worker)
         self.conf = conf
+        self.backend = backend
         self.run_id = f"heal-{uuid.uuid4().hex[:10]}"
         self.nodes: list[HealNode] = []
         self.bad_gate = root / "bad-gate"
@@ -72,7 +74,7 @@ class HealingJob:
                     local: int = 1) -> HealNode:
         log_dir = self.root / name
         args = [
-            "--rdzv-backend", "etcd", "--rdzv-endpoint", self.endpoint,
+            "--rdzv-backend", self.backend, "--rdzv-endpoint", self.endpoint,
             "--rdzv-id", self.run_id, "--nnodes", self.nnodes,
             "--nproc-per-node", str(local),
             "--rdzv-conf", f"node_id={name},{self.conf}",
@@ -89,7 +91,8 @@ class HealingJob:
         return set().union(*(node.worker_pids() for node in self.nodes))
 
     async def key(self, name: str) -> Any:
-        async with EtcdClient([self.endpoint]) as client:
+        url = self.endpoint if "://" in self.endpoint else f"http://{self.endpoint}"
+        async with EtcdClient([url]) as client:
             kv = await client.get(f"/elastic-supervisor/{self.run_id}/{name}")
         return None if kv is None else json.loads(kv.value)
 
@@ -103,11 +106,11 @@ def worker_args(job_root: Path, *extra: str) -> list[str]:
 async def healing_job(root: Path, endpoint: str, *, nnodes: str = "3:3",
                       flags: Sequence[str] = (), worker: Sequence[str] | None = None,
                       conf: str = f"last_call_timeout=0.5,lease_ttl={TTL}",
-                      ) -> AsyncIterator[HealingJob]:
+                      backend: str = "etcd") -> AsyncIterator[HealingJob]:
     """A job's nodes; on exit every daemon still running is SIGKILLed and every worker any
     of them started must be gone within 10 s."""
     made = HealingJob(AsyncExitStack(), root, endpoint, nnodes, flags,
-                      worker if worker is not None else worker_args(root), conf)
+                      worker if worker is not None else worker_args(root), conf, backend)
     try:
         async with made.stack:
             yield made

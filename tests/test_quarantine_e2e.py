@@ -20,7 +20,7 @@ import pytest
 from supervisor.core import nodehealth as nh
 from supervisor.core.nodehealth import EXIT_QUARANTINED
 from supervisor.rendezvous.etcd_client import EtcdClient
-from tests.etcd_server import EtcdFactory, EtcdMember, etcd_factory
+from tests.etcd_server import EtcdFactory, EtcdMember, etcd_binary, etcd_factory, free_port
 from tests.healing_nodes import HealingJob, HealNode, exit_code, healing_job, worker_args
 
 pytestmark = pytest.mark.etcd
@@ -74,6 +74,25 @@ async def test_a_bad_node_quarantines_itself_and_the_spare_takes_its_place(
         assert (await job.key("ctl/restarts"))["count"] == 1
         assert (await job.key("health/n0"))["quarantined"]["reason"].startswith("2 failure")
         assert any(e["event"] == "spare_admitted" for n in others for e in n.events())
+
+
+async def test_c10d_a_host_that_quarantines_serves_the_rendezvous_until_the_job_ends(
+    tmp_path: Path
+) -> None:
+    etcd_binary()  # skips when etcd is not installed
+    endpoint = f"127.0.0.1:{free_port()}"
+    async with healing_job(tmp_path, endpoint, flags=HEAL, backend="c10d") as job:
+        bad, others = await start_three_and_a_spare(job)  # n0 started first: it hosts
+        assert "this node hosts the rendezvous" in bad.sup.err.text()
+        job.bad_gate.touch()
+        await bad.sup.err.expect("keeps serving the rendezvous at .* until the job ends",
+                                 timeout=60)
+        assert [e["node"] for e in bad.events("node_quarantined")] == ["n0"]
+        await others[2].sup.out.expect(r"^ready \d n3 world 3$", timeout=30)
+        job.done.touch()
+        for node in others:
+            assert await exit_code(node, timeout=60) == 0, node.sup.err.text()
+        assert await exit_code(bad, timeout=60) == EXIT_QUARANTINED
 
 
 async def test_a_failure_that_follows_the_rank_quarantines_no_more_than_the_cap(

@@ -324,11 +324,16 @@ class HostedEtcd:
             lines = []
         return lines[-1][:300] if lines else "no output"
 
-    async def other_leases(self) -> int:
-        """How many leases the server holds (every live node holds one)."""
+    async def other_leases(self, max_ttl: int) -> int:
+        """How many nodes' leases the server holds (every live node holds one, of at most
+        ``max_ttl`` seconds; the node health records' leases last their window)."""
         async with EtcdClient([self.private], timeout=0.5) as client:
             data = await client.call("/v3/lease/leases", {})
-        return len(data.get("leases") or [])
+            count = 0
+            for lease in data.get("leases") or []:
+                info = await client.call("/v3/lease/timetolive", {"ID": lease.get("ID")})
+                count += int(info.get("grantedTTL", 0)) <= max_ttl
+        return count
 
     async def stop(self) -> None:
         """TERM, then KILL after the grace; reap; remove the data directory."""
@@ -541,7 +546,7 @@ class C10dRendezvous:
         with anyio.move_on_after(self.config.close_timeout):
             while True:
                 try:
-                    if await self.server.other_leases() == 0:
+                    if await self.server.other_leases(self.config.etcd.lease_ttl) == 0:
                         return
                 except EtcdError:
                     return
