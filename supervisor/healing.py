@@ -19,16 +19,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import anyio
 
-from supervisor.config import ConfigError
+from supervisor.config import (
+    ConfigError,
+    Settings,
+    healing_enabled,
+    healing_limits,
+    node_check_argv,
+)
 from supervisor.core import nodehealth as nh
 from supervisor.core import state as sm
 from supervisor.events import EventLog
-from supervisor.rendezvous.base import NodeLedger, RendezvousError
+from supervisor.rendezvous.base import NodeLedger, Rendezvous, RendezvousError
 from supervisor.workers.nodecheck import NodeCheckConfigError, NodeChecker
 
 logger = logging.getLogger(__name__)
@@ -242,3 +249,22 @@ class Healing:
         if self.ledger.spare:
             return "spare: waiting to be admitted"
         return None
+
+
+def make_healing(settings: Settings, rendezvous: Rendezvous, events: EventLog,
+                 base_env: Mapping[str, str], run_id: str, log_root: Path, *,
+                 changed: Callable[[], None]) -> Healing:
+    """Root causes always; node checks and quarantine when asked for (``healing_enabled``).
+    The check gets the rank-independent part of the workers' environment."""
+    limits = healing_limits(settings)
+    ledger = rendezvous.node_ledger(limits)
+    checker = None
+    if healing_enabled(settings):
+        env = {**base_env, "TORCHELASTIC_RUN_ID": run_id, "ELASTIC_SUPERVISOR_RUN_ID": run_id,
+               "ELASTIC_SUPERVISOR_NODE_ID": ledger.node, "ROLE_NAME": settings.role,
+               "LOCAL_WORLD_SIZE": str(settings.local_world_size),
+               "TORCHELASTIC_MAX_RESTARTS": str(settings.max_restarts)}
+        checker = NodeChecker(node_check_argv(settings), env, settings.node_check_timeout,
+                              log_root)
+    return Healing(limits, ledger, checker, events, interval=settings.node_check_interval,
+                   retry=settings.node_check_retry, changed=changed)

@@ -35,6 +35,7 @@ from anyio.abc import TaskStatus
 from supervisor.core.nodehealth import Limits
 from supervisor.rendezvous.base import (
     BarrierResult,
+    Capabilities,
     NodeLedger,
     RendezvousClosed,
     RendezvousError,
@@ -103,6 +104,8 @@ class EtcdRendezvous:
     client's live counters (outages, requests, conflicts, watch events)."""
 
     backend = "etcd"
+    capabilities = Capabilities(membership_can_change=True, coordinates_nodes=True,
+                                job_status=True)
 
     def __init__(self, config: EtcdRendezvousConfig, *, on_event: EventHook | None = None
                  ) -> None:
@@ -164,6 +167,12 @@ class EtcdRendezvous:
                 "outage_limit": self.config.outage_limit}
 
     # lifecycle
+
+    def extra_pids(self) -> list[int]:
+        return []
+
+    def etcd_service(self) -> EtcdRendezvous:
+        return self
 
     async def connect(self) -> None:
         """Take this node's lease (once). An unreachable etcd is retried until
