@@ -32,7 +32,7 @@ def main() -> None:
     args = p.parse_args()
     rank = int(os.environ["RANK"])
     node = os.environ.get("HEAL_NODE", "?")
-    say(f"ready {rank} {node} world {os.environ['WORLD_SIZE']}")
+    say(f"ready {rank} {node} world {os.environ['WORLD_SIZE']} port {os.environ['MASTER_PORT']}")
     bad = os.environ.get("HEAL_BAD") == "1" or rank == args.fail_rank
     if bad:
         wait_for(args.bad_gate)
