@@ -216,7 +216,6 @@ async def supervise(
     policy = restart_policy(settings)
     healing = make_healing(settings, rendezvous, events, base_env, run_id, log_root,
                            changed=lambda: view.publish())
-    view: ReadModel  # made next: it reads the recorder's ledger, which asks it to publish
     goodput = GoodputRecorder(
         events, progress, started=time.monotonic(), bound=settings.progress_timeout,
         republish=lambda: view.publish(), shown=group.shown_attempt,
