@@ -101,7 +101,10 @@ def _run_parser() -> argparse.ArgumentParser:
     _flag(p, "preload", type=_csv,
           help="modules each standby imports before a restart, e.g. torch,torch._dynamo")
     _flag(p, "preload-after", type=float,
-          help="standbys start preloading once every rank progressed, or after this (5 s)")
+          help="without the fork server: standbys start preloading once every rank "
+               "progressed, or after this (5 s)")
+    _flag(p, "no-fork-server", action="store_const", const=True,
+          help="with --preload: each standby imports for itself (no fork server)")
     _flag(p, "max-node-failures", type=int,
           help="a node that is the root cause of K failures in the window quarantines "
           "itself: exit 200 (default 0: off)")
