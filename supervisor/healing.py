@@ -36,6 +36,7 @@ from supervisor.core import nodehealth as nh
 from supervisor.core import state as sm
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import NodeLedger, Rendezvous, RendezvousError
+from supervisor.workers.guardian import COOKIE_ENV
 from supervisor.workers.nodecheck import NodeCheckConfigError, NodeChecker
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,10 @@ class Healing:
             last = self.last_check.at if self.last_check else time.monotonic()
             await anyio.sleep(max(0.0, last + self.interval - time.monotonic()))
             result = await self._check("while running")
+            if killed_from_outside(result):  # not evidence about the node: check again
+                logger.warning("node check was killed by a signal it was not sent by us "
+                               "(%s); checking again", result.reason)
+                result = await self._check("while running, again")
             if not result.ok:
                 try:
                     with anyio.fail_after(LEDGER_TIMEOUT):
@@ -251,6 +256,12 @@ class Healing:
         return None
 
 
+def killed_from_outside(result: nh.CheckResult) -> bool:
+    """The check died by a signal that was not its timeout's SIGKILL (a stop's sweep, an
+    operator): inconclusive."""
+    return not result.ok and not result.timed_out and (result.exit_code or 0) < 0
+
+
 def make_healing(settings: Settings, rendezvous: Rendezvous, events: EventLog,
                  base_env: Mapping[str, str], run_id: str, log_root: Path, *,
                  changed: Callable[[], None]) -> Healing:
@@ -260,7 +271,9 @@ def make_healing(settings: Settings, rendezvous: Rendezvous, events: EventLog,
     ledger = rendezvous.node_ledger(limits)
     checker = None
     if healing_enabled(settings):
-        env = {**base_env, "TORCHELASTIC_RUN_ID": run_id, "ELASTIC_SUPERVISOR_RUN_ID": run_id,
+        # without the guardian's cookie: a group's sweep must not take it for a worker's
+        env = {k: v for k, v in base_env.items() if k != COOKIE_ENV}
+        env = {**env, "TORCHELASTIC_RUN_ID": run_id, "ELASTIC_SUPERVISOR_RUN_ID": run_id,
                "ELASTIC_SUPERVISOR_NODE_ID": ledger.node, "ROLE_NAME": settings.role,
                "LOCAL_WORLD_SIZE": str(settings.local_world_size),
                "TORCHELASTIC_MAX_RESTARTS": str(settings.max_restarts)}

@@ -58,3 +58,12 @@ def test_goodput_causes_of_the_healing_round_reasons() -> None:
         "spare_admitted")
     assert cause_of_membership("node(s) lost: b; spare(s) waiting: d") == "spare_admitted"
     assert cause_of_membership("node(s) lost: b") == "node_lost"
+
+
+def test_a_check_killed_by_someone_elses_signal_is_inconclusive() -> None:
+    from supervisor.healing import killed_from_outside
+
+    assert killed_from_outside(nh.CheckResult(False, "killed", 1.0, exit_code=-15))
+    assert not killed_from_outside(nh.CheckResult(False, "timed out", 1.0, timed_out=True))
+    assert not killed_from_outside(nh.CheckResult(False, "exit 1", 1.0, exit_code=1))
+    assert not killed_from_outside(nh.CheckResult(True, "", 1.0, exit_code=0))
