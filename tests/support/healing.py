@@ -126,16 +126,15 @@ async def exit_code(node: HealNode, timeout: float = 30.0) -> int:
 
 
 async def group_without(bad: HealNode, others: list[HealNode]) -> None:
-    """Until every node of ``others`` runs its worker in one round the bad node's last
-    round is not (each ready line names the round's master port)."""
-    started = bad.events("group_started")
-    last = str(started[-1]["master_port"]) if started else ""
+    """Until every node of ``others`` runs its worker in one round the bad node was never
+    in (each ready line names its round's master port)."""
+    bad_rounds = {str(e["master_port"]) for e in bad.events("group_started")}
     ports = []
     for node in others:
         while True:
             port = (await node.sup.out.expect(r"^ready \d n\d world 3 port (\d+)$",
                                               timeout=60))[1]
-            if port != last:
+            if port not in bad_rounds:
                 break
         ports.append(port)
     assert len(set(ports)) == 1, ports
