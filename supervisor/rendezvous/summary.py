@@ -22,10 +22,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
+import msgspec
 
 from supervisor.core.goodput import Ledger, totals
 from supervisor.core.nodehealth import NodeRecord
 from supervisor.core.snapshot import Snapshot
+from supervisor.rendezvous.decode import Summary, decode, printable
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
 
 if TYPE_CHECKING:
@@ -168,15 +170,33 @@ class SummaryPublisher:
 
 
 async def read_summaries(client: EtcdClient, run_id: str) -> list[dict[str, Any]]:
-    """Every node's summary of a job, ordered by node rank then id; bad values skipped.
-    A quarantined node (its summary went with its lease) gets a row from its record."""
-    rows = await _read_summaries(client, run_id)
+    """Every node's summary of a job, ordered by node rank then id; bad values skipped."""
+    rows, _ = await read_job(client, run_id)
+    return rows
+
+
+async def read_job(client: EtcdClient, run_id: str) -> tuple[list[dict[str, Any]], int]:
+    """(every valid summary of the job as plain data, ordered by node rank then id; how
+    many keys were skipped as bad). Each row passed ``decode``'s bounded ``Summary``
+    schema: a sibling's list for a dict, an infinite number, a huge integer or a key that
+    is not UTF-8 costs one skipped row, not the view."""
+    result = await client.range(summary_prefix(run_id), prefix=True)
+    rows, skipped = [], 0
+    for kv in result.kvs:
+        row = (decode("status", kv.key, kv.value, Summary, report=False)
+               if printable(kv.key) else None)
+        if row is None or "\ufffd" in kv.key:
+            skipped += 1
+            continue
+        rows.append(msgspec.to_builtins(row))
+    # a quarantined node's summary went with its lease: its record gives its row
     shown = {str(r.get("node_id")) for r in rows}
     rows += [{"node_id": r.node, "node_rank": None, "host": "-", "state": "quarantined",
-              "last_failure": r.quarantined.reason, "restarts": "-", "max_restarts": "-"}
-             for r in await _quarantined(client, run_id) if r.quarantined is not None
-             and r.node not in shown and r.member not in shown]
-    return rows
+              "last_failure": r.quarantined.reason[:300]}
+             for r in await _quarantined(client, run_id)
+             if r.quarantined is not None and r.node not in shown and r.member not in shown]
+    rows.sort(key=lambda d: (_int(d.get("node_rank")), str(d.get("node_id"))))
+    return rows, skipped
 
 
 async def _quarantined(client: EtcdClient, run_id: str) -> list[NodeRecord]:
@@ -186,19 +206,6 @@ async def _quarantined(client: EtcdClient, run_id: str) -> list[NodeRecord]:
     prefix = Keys(run_id).prefix
     found = await client.range(health_prefix(prefix), prefix=True)
     return records_of(list(found.kvs), prefix)
-
-
-async def _read_summaries(client: EtcdClient, run_id: str) -> list[dict[str, Any]]:
-    result = await client.range(summary_prefix(run_id), prefix=True)
-    rows = []
-    for kv in result.kvs:
-        try:
-            doc = json.loads(kv.value)
-        except ValueError:
-            continue
-        if isinstance(doc, dict) and "node_id" in doc:
-            rows.append(doc)
-    return sorted(rows, key=lambda d: (_int(d.get("node_rank")), str(d.get("node_id"))))
 
 
 def _int(value: object) -> int:
