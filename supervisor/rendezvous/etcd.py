@@ -45,10 +45,8 @@ from supervisor.rendezvous.etcd_client import (
     EtcdLeaseNotFound,
     EtcdUnavailable,
     JsonDict,
-    PrefixView,
     Reachability,
     compare,
-    open_prefix_view,
     put_op,
 )
 from supervisor.rendezvous.etcd_config import (
@@ -59,6 +57,7 @@ from supervisor.rendezvous.etcd_config import (
     parse_nnodes,
     parse_rdzv_conf,
 )
+from supervisor.rendezvous.etcd_cutoff import CutoffCheck
 from supervisor.rendezvous.etcd_leader import Leader
 from supervisor.rendezvous.etcd_lease import LeaseKeeper, PausableDeadline
 from supervisor.rendezvous.etcd_state import (
@@ -71,6 +70,7 @@ from supervisor.rendezvous.etcd_state import (
     close_job_txn,
     round_guard,
 )
+from supervisor.rendezvous.etcd_watch import PrefixView, open_prefix_view
 
 __all__ = [
     "ROOT", "EtcdRendezvous", "EtcdRendezvousConfig", "RendezvousConfigError", "make_config",
@@ -118,6 +118,12 @@ class EtcdRendezvous:
         self._lease = LeaseKeeper(self._client, config.lease_ttl, self._lease_replaced)
         self._leader = Leader(self._client, self._keys, self._policy, self._lease,
                               config.node_id)
+        self._cutoff = CutoffCheck(self._client, config.run_id, config.node_id,
+                                   ttl=config.lease_ttl,
+                                   last_refresh_sent=lambda: self._lease.last_refresh_sent,
+                                   on_cut_off=self._cut_off)
+        self._cut_off_reason: str | None = None  # this node is the one cut off from etcd
+        self._evicted_reason = ""
         self._ctl: PrefixView | None = None
         self._ready = anyio.Event()
         self._running = False
@@ -150,9 +156,16 @@ class EtcdRendezvous:
         return self._client.reachability
 
     def outage_status(self) -> dict[str, Any]:
-        """For ``/status``: whether etcd answers, and the outages so far."""
+        """For ``/status``: whether etcd answers (to requests and to this node's watch:
+        never "reachable" while the watch is dead), and the outages so far."""
         r = self._client.reachability
-        return {"reachable": r.unreachable_since is None,
+        watch_live = self._ctl is not None and self._ctl.watch_live
+        return {"reachable": r.unreachable_since is None and watch_live,
+                "requests_answered": r.unreachable_since is None,
+                "watch": {"live": watch_live,
+                          "endpoint": self._ctl.watch_endpoint if self._ctl else None,
+                          "resyncs": self._ctl.resyncs if self._ctl else 0},
+                "cut_off": self._cut_off_reason,
                 "unreachable_for": round(r.outage_age(time.monotonic()), 3),
                 "outages": r.outages, "last_outage": round(r.last_outage, 3),
                 "total_outage": round(r.total_outage, 3), "cause": r.cause or None,
@@ -195,12 +208,14 @@ class EtcdRendezvous:
             with _etcd_errors("reading the job's control keys"):
                 # bounded like connect(): the supervisor is still starting
                 async with open_prefix_view(self._client, self._keys.ctl,
-                                            retry_window=self.config.lease_ttl) as view:
+                                            retry_window=self.config.lease_ttl,
+                                            on_live=self._watch_live) as view:
                     self._ctl = view
                     self._running = True
                     self._ready.set()
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._campaign)
+                        tg.start_soon(self._cutoff.run)
                         task_status.started()
                         await self._lease.keep_alive()
                         await self._closed.wait()
@@ -258,6 +273,7 @@ class EtcdRendezvous:
             return  # start-up: connect() reports an unusable endpoint in one line itself
         if reachable:
             logger.warning("etcd reachable again after %.1fs", r.last_outage)
+            self._cutoff.outage_ended()
             for deadline in self._deadlines:
                 deadline.resume()
             self._emit("etcd_reachable", outage=round(r.last_outage, 3), outages=r.outages)
@@ -267,7 +283,22 @@ class EtcdRendezvous:
                        "for as long as it takes" if limit is None else f"for up to {limit:g}s")
         for deadline in self._deadlines:
             deadline.pause()
+        self._cutoff.outage_began()
         self._emit("etcd_unreachable", cause=r.cause, outage_limit=limit)
+
+    def _watch_live(self, live: bool) -> None:
+        """The control watch opened or died: /status changes (publish it)."""
+        if self._lease.id and not self._closed.is_set():
+            self._emit("etcd_watch", live=live,
+                       endpoint=self._ctl.watch_endpoint if self._ctl else None)
+
+    def _cut_off(self, reason: str) -> None:
+        """The cut-off rule says this node is out of the job (``core.partition``): its
+        round is over; its workers stop and it joins the next round when etcd answers."""
+        self._cut_off_reason = reason
+        logger.warning("etcd rendezvous: %s", reason)
+        self._emit("etcd_cut_off", reason=reason)
+        self._notify_ctl()
 
     @contextmanager
     def _join_deadline(self) -> Iterator[anyio.CancelScope]:
@@ -288,10 +319,13 @@ class EtcdRendezvous:
         self._emit("etcd_lease_replaced", lease=f"{self._lease.id:x}", across_outage=across_outage)
         if not across_outage:
             self._evicted = True
+            self._evicted_reason = "its lease expired while etcd was reachable"
             self._held.clear()
             self._joined = self._waiting = -1
             self._notify_ctl()
             return
+        running = self._keys.node(self._last_round, "join", self.node_id)
+        lost_running = False
         for key, (value, guard) in list(self._held.items()):
             try:
                 result = await self._client.txn(guard, [put_op(key, value, lease=self._lease.id)])
@@ -299,9 +333,18 @@ class EtcdRendezvous:
                 logger.warning("cannot restore %s after the outage: %s", key, exc)
                 result = None
             if result is None or not result.succeeded:
-                self._held.pop(key, None)  # the job moved on meanwhile: the watch shows how
+                self._held.pop(key, None)  # the job moved on meanwhile
+                lost_running = lost_running or key == running
         logger.info("restored %d etcd key(s) under the new lease %x", len(self._held),
                     self._lease.id)
+        if lost_running:  # not a member any more: act now, not when a stream says so
+            self._evicted = True
+            self._evicted_reason = (f"its join key of round {self._last_round} could not be "
+                                    "restored after the etcd outage: the job went on without it")
+            self._joined = -1
+            logger.warning("etcd rendezvous: this node is no longer a member: %s",
+                           self._evicted_reason)
+            self._notify_ctl()
 
     def _notify_ctl(self) -> None:
         if self._ctl is not None:
@@ -372,7 +415,8 @@ class EtcdRendezvous:
         """Join the next round and wait until it completes: at most ``join_timeout`` while
         etcd answers, plus any outage (bounded by ``outage_limit``)."""
         await self._usable()
-        self._evicted = False
+        self._evicted, self._cut_off_reason = False, None
+        self._cutoff.round_ended()
         started = time.monotonic()
         result: RendezvousResult | None = None
         with _etcd_errors("joining a round"), self._join_deadline():
@@ -480,6 +524,7 @@ class EtcdRendezvous:
         rank = ids.index(self.node_id)
         sizes = [m.local_world_size for m in members]
         self._last_round = n
+        self._cutoff.round_started(n, ids)
         return RendezvousResult(
             round=n, group_rank=rank, group_world_size=len(members),
             rank_offset=sum(sizes[:rank]), world_size=sum(sizes),
@@ -510,7 +555,11 @@ class EtcdRendezvous:
         if state.round > result.round:
             return state.round_reason or f"round {state.round} was opened by another node"
         if self._evicted:
-            raise RendezvousError(f"this node's etcd lease was lost (now {self._lease.id:x})")
+            why = self._evicted_reason or "the others saw it leave"
+            raise RendezvousError(f"this node's etcd lease was lost (now {self._lease.id:x}): "
+                                  f"{why}")
+        if self._cut_off_reason is not None:
+            return f"cut off from etcd: {self._cut_off_reason}"
         return None
 
     async def exit_barrier(self, result: RendezvousResult, timeout: float) -> BarrierResult:
