@@ -135,7 +135,8 @@ class CutoffCheck:
                 verdict = judge(my_round=round_, last_refresh_sent=self._last_refresh_sent(),
                                 now=time.monotonic(), ttl=self._ttl,
                                 max_rtt=self._client.timeout, reports=reports)
-                if verdict != self.last_verdict:
+                last = self.last_verdict
+                if last is None or verdict.action is not last.action:
                     logger.info("etcd unreachable; cut-off check: %s (%s)",
                                 verdict.action.value, verdict.reason)
                 self.last_verdict = verdict
