@@ -147,9 +147,10 @@ class Job:
         log.close()
 
     def wait_etcd_healthy(self, member: Etcd, timeout: float = 20) -> None:
+        url = f"{member.endpoint}/health"
         probe = ("import sys, urllib.request\n"
                  "try:\n"
-                 f"    body = urllib.request.urlopen('{member.endpoint}/health', timeout=1).read()\n"
+                 f"    body = urllib.request.urlopen('{url}', timeout=1).read()\n"
                  "except Exception:\n    sys.exit(1)\n"
                  "sys.exit(0 if b'true' in body else 1)\n")
 

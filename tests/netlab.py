@@ -20,6 +20,7 @@ offered; random loss stands in for a bad link.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import random
 import re
@@ -210,10 +211,8 @@ class NetLab:
                 proc.send_signal(signal.SIGKILL)
         deadline = time.monotonic() + 10
         for proc in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         self.procs.clear()
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)

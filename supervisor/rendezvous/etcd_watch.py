@@ -270,6 +270,9 @@ class Watch:
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
                 raise _EndpointDown(_describe(exc)) from exc
             if not chunk:
+                if self._buffer.strip():  # a last message without its newline (an error)
+                    line, self._buffer = self._buffer, b""
+                    return line
                 raise _EndpointDown("stream closed")
             self._buffer += chunk
         line, _, self._buffer = self._buffer.partition(b"\n")
