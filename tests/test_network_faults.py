@@ -37,6 +37,7 @@ def _netns() -> None:
     reason = unavailable()
     if reason is not None:
         deps.missing(reason)
+    deps.need_binary("etcd")
 
 
 def check_cut(figures: dict[str, Any]) -> None:
