@@ -11,7 +11,8 @@ shared with tests/test_network_faults.py, which runs short versions of them in C
 Cases: ``cut`` (node C cut from etcd for each ``--cuts`` length), ``cut-restart`` (the
 same, etcd SIGKILLed and restarted in the middle), ``member`` (one etcd member of three
 isolated: leave, loss and scale-up seen by the others), ``outage`` (etcd gone for every
-node: ridden out with the same workers). Prints one JSON object per run and a table.
+node: ridden out with the same workers), ``lossy`` (5 % of the frames between the nodes
+and etcd dropped: no spurious restart). Prints one JSON object per run and a table.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from tests import netjob  # noqa: E402
 from tests.netlab import sweep_stale, unavailable  # noqa: E402
 
-CASES = ("cut", "cut-restart", "member", "outage")
+CASES = ("cut", "cut-restart", "member", "outage", "lossy")
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -55,7 +56,9 @@ def one(case: str, args: argparse.Namespace, code: Path, cut: float | None
                                          restart_etcd=case == "cut-restart")
     if case == "member":
         return netjob.isolated_member(ttl=args.ttl, settle=args.settle, code=code)
-    return netjob.etcd_down_for_everyone(ttl=args.ttl, outage=args.outage, code=code)
+    if case == "outage":
+        return netjob.etcd_down_for_everyone(ttl=args.ttl, outage=args.outage, code=code)
+    return netjob.lossy_links(ttl=args.ttl, percent=args.loss, seconds=args.run, code=code)
 
 
 def _show(case: str, rep: int, figures: dict[str, Any]) -> dict[str, Any]:
@@ -77,6 +80,9 @@ def main() -> None:
     p.add_argument("--outage", type=float, default=None, help="whole-etcd outage (20, quick 6)")
     p.add_argument("--settle", type=float, default=None,
                    help="seconds after isolating a member before the leave (default 2 TTL)")
+    p.add_argument("--loss", type=int, default=5, help="percent of frames lost (lossy)")
+    p.add_argument("--run", type=float, default=None,
+                   help="seconds the lossy job runs once formed (default 120, quick 20)")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--code", default=str(REPO), help="source tree the supervisors run")
@@ -85,6 +91,7 @@ def main() -> None:
     args.cuts = args.cuts or ([10.0] if args.quick else [30.0, 90.0])
     args.outage = args.outage or (6.0 if args.quick else 20.0)
     args.settle = args.settle or 2.0 * args.ttl
+    args.run = args.run or (20.0 if args.quick else 120.0)
     reason = unavailable()
     if reason:
         raise SystemExit(f"netfaults: {reason}")

@@ -340,5 +340,32 @@ def etcd_down_for_everyone(*, ttl: int, outage: float, code: Path = REPO,
         }
 
 
+def lossy_links(*, ttl: int, percent: int, seconds: float, code: Path = REPO,
+                keep: Path | None = None) -> dict[str, Any]:
+    """Nodes A, B, C and one etcd; ``percent`` % of the frames between every node and etcd
+    are dropped at random from the start (nftables ``numgen``; no netem here). Figures:
+    how long the job took to form, and the spurious stops and watch moves meanwhile."""
+    with job(ttl=ttl, code=code, keep=keep) as j:
+        j.start_etcd(1)
+        nodes = []
+        started = time.monotonic()
+        for label in "abc":
+            node = j.start_node(label)
+            j.lab.lossy(node.host, j.members[0].host, percent)
+            nodes.append(node)
+        formed = j.wait_group(nodes, 3, timeout=120)
+        before = [n.pids() for n in nodes]
+        wait_for("the run", lambda: time.monotonic() - formed >= seconds, seconds + 5)
+        return {
+            "ttl": ttl, "loss_percent": percent, "seconds": seconds,
+            "formed_after": formed - started,
+            "same_pids": [n.pids() for n in nodes] == before,
+            "group_stops": sum(1 for n in nodes for _ in n.events("group_stopped")),
+            "watch_moves": sum(1 for n in nodes for e in n.events("etcd_watch")
+                               if not e.get("live")),
+            "outages": sum(1 for n in nodes for _ in n.events("etcd_unreachable")),
+        }
+
+
 def _rel(t: float | None, since: float) -> float | None:
     return None if t is None else t - since

@@ -121,8 +121,12 @@ class CutoffCheck:
                 return False
             url = _health_url(kv.value if kv is not None else b"")
             if url is None:
+                logger.debug("no health URL for %s yet", peer)
                 return False
             self._urls[peer] = url
+        if wanted:
+            logger.info("cut-off check: round %d, the peers to ask are %s", self._round,
+                        ", ".join(f"{p} at {self._urls[p]}" for p in wanted))
         return True
 
     async def _ask_until_decided(self) -> None:

@@ -392,28 +392,33 @@ class PrefixView:
         if fresh:
             self._notify()
 
-    async def _resync(self) -> None:
-        """Read everything again, from a fresh revision (after an outage)."""
+    async def _resync(self, why: str) -> None:
+        """Read everything again, from a fresh revision (after an outage, or when the
+        watch's start revision was compacted away)."""
         result = await self.client.range(self.prefix, prefix=True)
         self.kvs = {kv.key: kv for kv in result.kvs}
         self.revision = max(self.revision, result.revision)
         self.resyncs += 1
-        logger.info("etcd %s re-read after the outage at revision %d (%d key(s))",
-                    self.prefix, self.revision, len(self.kvs))
+        logger.info("etcd %s re-read %s at revision %d (%d key(s))",
+                    self.prefix, why, self.revision, len(self.kvs))
         self._notify()
 
     async def _follow(self) -> None:
+        reread = ""
         while True:
             try:
+                if reread:  # inside the try: a re-read that fails ends the view like a watch
+                    await self._resync(reread)
+                    reread = ""
                 async with Watch(self.client, _prefix_range(self.prefix), self.revision + 1,
                                  on_live=self._on_live) as watch:
                     self._watch = watch
                     async for events in watch:
                         self._apply(events)
             except WatchResync:
-                await self._resync()
+                reread = "after the outage"
             except EtcdCompacted:
-                await self.refresh()
+                reread = "after its history was compacted"
             except EtcdError as exc:
                 self._error = exc
                 self._notify()
