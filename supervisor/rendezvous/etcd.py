@@ -80,6 +80,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _CAS_ATTEMPTS = 50
+PEER_LEARNING_BOUND = 1.0  # seconds a completed round may spend reading its peers' URLs
 _Done = tuple[list[Member], tuple[str, int]]  # a finished round: members, (addr, port)
 EventHook = Callable[..., object]  # EventLog.emit(kind, **fields)
 
@@ -424,6 +425,8 @@ class EtcdRendezvous:
         if result is None:
             raise RendezvousError(f"etcd rendezvous {self.run_id} timed out after "
                                   f"{self.config.join_timeout:g}s: {await self._describe()}")
+        with anyio.move_on_after(PEER_LEARNING_BOUND):  # a few reads; never delays a round long
+            await self._cutoff.learn_peers()
         logger.info("etcd rendezvous round %d complete in %.3fs: group rank %d of %d, "
                     "master %s:%d", result.round, result.duration, result.group_rank,
                     result.group_world_size, result.master_addr, result.master_port)

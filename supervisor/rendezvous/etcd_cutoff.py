@@ -99,16 +99,17 @@ class CutoffCheck:
         while True:
             seen, complete = self._version, True
             if self._round >= 0 and not self._in_outage:
-                complete = await self._learn_peers()
+                complete = await self.learn_peers()
             if self._round >= 0 and self._in_outage:
                 await self._ask_until_decided()
             # a peer that has not published its summary yet: read again a bit later
             with anyio.move_on_after(math.inf if complete else RELEARN_INTERVAL):
                 await self._wait_change(seen)
 
-    async def _learn_peers(self) -> bool:
+    async def learn_peers(self) -> bool:
         """Read the health URLs of the peers this node would ask (best effort); whether
-        every one is known."""
+        every one is known. Called once more before the round's workers start, so that a
+        cut right after the start finds them known."""
         wanted = [p for p in peers_to_ask(self._members, self._node_id, PEERS)
                   if p not in self._urls]
         prefix = summary_prefix(self._run_id)
