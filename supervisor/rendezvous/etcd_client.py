@@ -510,7 +510,9 @@ class EtcdClient:
         """Watch the key (or prefix) from ``start_revision``: ``async with client.watch(...)
         as w: async for events in w``. Reconnects to any endpoint, resuming after the last
         event, for up to ``retry_window`` seconds per outage; then ``EtcdUnavailable``.
-        See ``etcd_watch`` for how a watch notices that its member went quiet."""
+        After an outage it raises ``etcd_watch.WatchResync``: re-read, then watch again
+        from the fresh revision. See ``etcd_watch`` for how a watch notices that its
+        member went quiet."""
         from supervisor.rendezvous.etcd_watch import Watch
 
         return Watch(self, _key_range(key, prefix), start_revision)

@@ -259,6 +259,8 @@ class Watch:
             self._disconnect()
             raise
         self.connected_at = time.monotonic()
+        # a member that took a stream requiring a leader has one: it answers
+        self._client.endpoint_health(endpoint).answered()
         if self._on_live is not None:
             self._on_live(True)
 
