@@ -339,6 +339,12 @@ class EtcdRendezvous:
         logger.info("restored %d etcd key(s) under the new lease %x", len(self._held),
                     self._lease.id)
         if lost_running:  # not a member any more: act now, not when a stream says so
+            if self._ctl is not None:
+                try:  # so that a round opened meanwhile is the reason given, if it was
+                    with anyio.move_on_after(self._client.timeout):
+                        await self._ctl.refresh()
+                except EtcdError as exc:
+                    logger.debug("cannot re-read the control keys: %s", exc)
             self._evicted = True
             self._evicted_reason = (f"its join key of round {self._last_round} could not be "
                                     "restored after the etcd outage: the job went on without it")
