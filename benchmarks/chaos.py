@@ -251,7 +251,7 @@ class Usage:
 
 def is_standby(proc: psutil.Process) -> bool:
     """A pre-started interpreter waiting for the next attempt's worker (warm restarts)."""
-    from supervisor.workers.standby import is_standby_command
+    from supervisor.workers.warm.standby import is_standby_command
 
     try:
         return is_standby_command(proc.cmdline())

@@ -37,7 +37,7 @@ from harness import (
     uss_bytes,
 )
 
-from supervisor.workers.standby import is_standby_command
+from supervisor.workers.warm.standby import is_standby_command
 
 
 @dataclass(frozen=True)

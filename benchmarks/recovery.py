@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from benchmarks.harness import BIN, ensure_bytecode, launcher_env  # noqa: E402
-from supervisor.workers.standby import is_standby_command  # noqa: E402
+from supervisor.workers.warm.standby import is_standby_command  # noqa: E402
 
 JOB = HERE / "recovery_job.py"
 PHASES = ("interpreter", "import torch", "init_process_group", "DDP + first step")

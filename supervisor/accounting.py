@@ -57,20 +57,22 @@ class GoodputRecorder:
         bound: float,
         clock: Clock = time.monotonic,
         wall: Clock = time.time,
+        republish: Callable[[], None] = lambda: None,
+        shown: Callable[[int], int] = lambda attempt: attempt,
     ) -> None:
         self.accountant = Accountant(started, bound)
         self.events = events
         self.progress = progress
         self.closed: list[Recovery] = []
         self.metrics: RecoveryMetrics | None = None
-        self.republish: Callable[[], None] = lambda: None  # the controller's snapshot
+        self.republish = republish  # the read model's publish: the ledger changed
         # the state machine's attempt -> the number users see (K of attempt_K), so that
-        # records, events and /status carry the one attempt number (controller.shown_attempt)
-        self.shown: Callable[[int], int] = lambda attempt: attempt
+        # records, events and /status carry the one attempt number (group.shown_attempt)
+        self.shown = shown
         self._clock = clock
         self._wall = wall
         self._changed = anyio.Event()
-        progress.listener = self.on_progress
+        progress.listeners.append(self.on_progress)
 
     def ledger(self) -> Ledger:
         """The accountant's current state (goes into every published snapshot)."""

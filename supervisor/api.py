@@ -26,7 +26,6 @@ deadlock or crash the child.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pickle
@@ -42,12 +41,15 @@ from typing import Any
 import anyio
 import msgspec
 
-from supervisor.app import check_runnable, supervise
+from supervisor.app import supervise
 from supervisor.config import ConfigError, Settings, build
 from supervisor.controller import CommandFor, settings_command
 from supervisor.core.envs import interpreter
+from supervisor.preflight import check_runnable
+from supervisor.views import RunResult
 from supervisor.workers import bootstrap
 from supervisor.workers.errorfile import read_error_file
+from supervisor.workers.group import WorkerFailure
 from supervisor.workers.topology import cpus_for
 
 logger = logging.getLogger(__name__)
@@ -286,100 +288,34 @@ def _write_private(path: Path, data: bytes) -> None:
 # ------------------------------------------------------------------------ failure report
 
 
-def group_failure(
-    name: str, exit_code: int, settings: Settings, ranks: RankDirs
-) -> WorkerGroupFailed:
-    """Build the exception from the event log and error files of the last attempt."""
-    attempt_dir = ranks.attempt_dir
-    if attempt_dir is None:
-        return WorkerGroupFailed(name, {}, exit_code=exit_code,
-                                 root_cause=f"no worker group was started (exit code {exit_code})")
-    events_path = Path(settings.event_log) if settings.event_log else (
-        attempt_dir.parent / "events.jsonl")
-    records = _attempt_records(read_events(events_path), attempt_dir)
-    failures = (_failures_from_events(records, ranks.latest) if records
-                else _failures_from_error_files(ranks.latest))
-    root = next((str(r["root_cause"]) for r in reversed(records)
-                 if r.get("event") == "finished" and r.get("root_cause")), "")
+def group_failure(name: str, result: RunResult, ranks: RankDirs) -> WorkerGroupFailed:
+    """Build the exception from the run's typed result and the last attempt's error files."""
+    if not result.attempt_started or ranks.attempt_dir is None:
+        return WorkerGroupFailed(
+            name, {}, exit_code=result.exit_code,
+            root_cause=f"no worker group was started (exit code {result.exit_code})")
+    failures: dict[int, RankFailure] = {}
+    for failure in result.failures:
+        if failure.local_rank in ranks.latest:
+            global_rank, rank_dir = ranks.latest[failure.local_rank]
+            failures[global_rank] = _rank_failure(failure, global_rank, rank_dir)
     first = next(iter(failures.values()), None)
-    return WorkerGroupFailed(name, failures, exit_code=exit_code,
-                             root_cause=root or (first.describe() if first else
-                                                 f"exit code {exit_code}"))
+    return WorkerGroupFailed(name, failures, exit_code=result.exit_code,
+                             root_cause=result.root_cause or (first.describe() if first else
+                                                              f"exit code {result.exit_code}"))
 
 
-def read_events(path: Path) -> list[dict[str, Any]]:
-    """The event log's objects; unreadable files and lines are skipped (never raises)."""
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return []
-    records: list[dict[str, Any]] = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
-
-
-def _attempt_records(records: list[dict[str, Any]], attempt_dir: Path) -> list[dict[str, Any]]:
-    """The events from the start of the attempt in ``attempt_dir`` to the end of the file."""
-    for index in range(len(records) - 1, -1, -1):
-        record = records[index]
-        if record.get("event") == "group_started" and record.get("dir") == str(attempt_dir):
-            return records[index:]
-    return []
-
-
-def _failures_from_events(
-    records: list[dict[str, Any]], ranks: Mapping[int, tuple[int, Path]]
-) -> dict[int, RankFailure]:
-    """Ranks that failed before the supervisor began to stop the group, in order."""
-    failures: dict[int, RankFailure] = {}
-    for record in records:
-        if record.get("event") == "group_stopping":
-            break
-        if record.get("event") != "worker_exited" or record.get("exit_code") == 0:
-            continue
-        local_rank = int(record.get("local_rank", -1))
-        if local_rank not in ranks:
-            continue
-        global_rank, rank_dir = ranks[local_rank]
-        failures[global_rank] = _rank_failure(local_rank, global_rank, rank_dir, record)
-    return failures
-
-
-def _failures_from_error_files(ranks: Mapping[int, tuple[int, Path]]) -> dict[int, RankFailure]:
-    """Without an event log: every rank that left an error file."""
-    failures: dict[int, RankFailure] = {}
-    for local_rank, (global_rank, rank_dir) in sorted(ranks.items()):
-        if (rank_dir / "error.json").exists():
-            failures[global_rank] = _rank_failure(local_rank, global_rank, rank_dir, {})
-    return failures
-
-
-def _rank_failure(
-    local_rank: int, global_rank: int, rank_dir: Path, record: Mapping[str, Any]
-) -> RankFailure:
+def _rank_failure(failure: WorkerFailure, global_rank: int, rank_dir: Path) -> RankFailure:
     error_file = rank_dir / "error.json"
     report = read_error_file(error_file)
-    code = record.get("exit_code")
     return RankFailure(
-        global_rank=global_rank, local_rank=local_rank,
-        pid=record.get("pid") if isinstance(record.get("pid"), int) else None,
-        exit_code=code if isinstance(code, int) else None,
-        signal=str(record["signal"]) if record.get("signal") else None,
-        message=report.message.strip() if report else str(record.get("message") or ""),
+        global_rank=global_rank, local_rank=failure.local_rank, pid=failure.pid,
+        exit_code=failure.exit_code, signal=failure.signal,
+        message=report.message.strip() if report else failure.message,
         traceback=report.traceback if report else "",
         error_file=str(error_file),
-        timestamp=_float(record.get("time")) or (report.timestamp if report else None),
+        timestamp=failure.at_wall,
     )
-
-
-def _float(value: Any) -> float | None:
-    return float(value) if isinstance(value, int | float) else None
 
 
 # ------------------------------------------------------------------------ entry points
@@ -403,17 +339,17 @@ async def alaunch(config: Config, entrypoint: Entrypoint, *args: Any) -> dict[in
     if isinstance(entrypoint, str):
         check_runnable(settings, environ)
         ranks = RankDirs(settings_command(settings, environ))
-        code = await supervise(settings, environ, command=ranks.command, cpus=cpus,
-                               embedded=True)
-        if code != 0:
-            raise group_failure(name, code, settings, ranks)
+        result = await supervise(settings, environ, command=ranks.command, cpus=cpus,
+                                 embedded=True)
+        if result.exit_code != 0:
+            raise group_failure(name, result, ranks)
         return dict.fromkeys(ranks.global_ranks())
     python = environ.get("PYTHON_EXEC", sys.executable)
     with CallableJob(entrypoint, args, python) as job:
-        code = await supervise(settings, environ, command=job.ranks.command, cpus=cpus,
-                               embedded=True)
-        if code != 0:
-            raise group_failure(name, code, settings, job.ranks)
+        result = await supervise(settings, environ, command=job.ranks.command, cpus=cpus,
+                                 embedded=True)
+        if result.exit_code != 0:
+            raise group_failure(name, result, job.ranks)
         return job.results()
 
 

@@ -9,7 +9,6 @@ after that.
 
 from __future__ import annotations
 
-import errno
 import faulthandler
 import functools
 import logging
@@ -23,17 +22,13 @@ import time
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
-import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
-if TYPE_CHECKING:
-    from supervisor.rendezvous.etcd import EtcdRendezvous
-
 from supervisor.accounting import GoodputRecorder
-from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, Settings, advisories
+from supervisor.config import ConfigError, Settings, advisories
 from supervisor.controller import (
     Attempt,
     CommandFor,
@@ -44,15 +39,26 @@ from supervisor.controller import (
     Outbox,
     ReopenLogs,
     SnapshotHub,
+    restart_policy,
 )
 from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads
-from supervisor.core.snapshot import ProgressTable, Snapshot
+from supervisor.core.snapshot import ProgressTable
 from supervisor.events import EventLog
 from supervisor.health.looplag import LoopLag
 from supervisor.logsetup import configure_logging
+from supervisor.preflight import (
+    check_devices,
+    check_event_log,
+    check_hang_dump,
+    check_master_addr,
+    check_runnable,
+    check_timer_file,
+    make_log_root,
+    open_health_socket,
+)
 from supervisor.rendezvous.base import Rendezvous, RendezvousError
-from supervisor.rendezvous.static import StaticRendezvous
+from supervisor.rendezvous.registry import conf_barrier_timeout, make_rendezvous
 from supervisor.systemd import (
     NOTIFY_ENV_VARS,
     Notifier,
@@ -60,13 +66,16 @@ from supervisor.systemd import (
     extending_timeout,
     run_watchdog_pings,
 )
+from supervisor.views import ReadModel, RunResult
 from supervisor.watchdog.dstate import DStateMonitor
-from supervisor.watchdog.escalate import HangDump, resolve_hang_dump
-from supervisor.watchdog.fifo import FifoError, check_fifo_path
+from supervisor.watchdog.escalate import HangDump
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
+from supervisor.workers.group import WorkerGroup
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
 from supervisor.workers.output import OutputPlan, OutputSpecError
+from supervisor.workers.spawn import DeathSignal
 from supervisor.workers.topology import cpus_for
+from supervisor.workers.warm.pool import NullPool, Pool, WarmPool
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +89,7 @@ def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None)
     configure_logging(settings.log_level, settings.log_format)
     faulthandler.enable()  # a watchdog SIGABRT then leaves every thread's stack in the log
     try:
-        return anyio.run(supervise, settings, env)
+        return anyio.run(supervise, settings, env).exit_code
     except ConfigError as exc:
         return _config_error(exc)
     except StoppedBeforeStart as exc:
@@ -109,110 +118,6 @@ def resolve_run_id(settings: Settings) -> str:
     return settings.rdzv_id
 
 
-def make_rendezvous(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
-    """The configured backend; bad endpoints or conf values are one-line ConfigErrors.
-    ``etcd`` and ``etcd-v2`` both use our etcd v3 backend; ``c10d`` may host an etcd whose
-    data lives in ``runtime_dir`` (``--standalone`` keeps torchrun's meaning: one node)."""
-    backend = settings.rdzv_backend
-    if backend == "static":
-        return StaticRendezvous(
-            run_id, settings.max_nodes, settings.node_rank, settings.master_addr,
-            settings.master_port,
-        )
-    from supervisor.rendezvous.etcd import EtcdRendezvous, RendezvousConfigError, make_config
-
-    if backend == "c10d":
-        from supervisor.rendezvous.c10d import make_c10d_rendezvous
-
-        try:
-            return make_c10d_rendezvous(
-                endpoint=settings.rdzv_endpoint, run_id=run_id, nnodes=settings.nnodes,
-                rdzv_conf=settings.rdzv_conf, local_addr=settings.local_addr,
-                runtime_dir=runtime_dir, standalone=settings.standalone,
-                master_port=settings.master_port,
-            )
-        except RendezvousConfigError as exc:
-            raise ConfigError(str(exc)) from None
-    try:
-        config = make_config(
-            endpoint=settings.rdzv_endpoint, run_id=run_id, nnodes=settings.nnodes,
-            rdzv_conf=settings.rdzv_conf, local_addr=settings.local_addr,
-        )
-    except RendezvousConfigError as exc:
-        raise ConfigError(str(exc)) from None
-    return EtcdRendezvous(config)
-
-
-def conf_barrier_timeout(settings: Settings) -> Settings:
-    """``--rdzv-conf exit_barrier_timeout=S`` (a documented etcd key) overrides the flag.
-    Call after ``make_rendezvous``, which validated the conf."""
-    if settings.rdzv_backend == "static":
-        return settings
-    pairs = (item.partition("=") for item in settings.rdzv_conf.split(","))
-    value = {key.strip(): raw.strip() for key, _, raw in pairs}.get("exit_barrier_timeout")
-    if value is None:
-        return settings
-    return msgspec.structs.replace(settings, exit_barrier_timeout=float(value))
-
-
-def check_runnable(settings: Settings, environ: Mapping[str, str]) -> None:
-    """Fail early with one line when the command cannot possibly start."""
-    script = settings.training_script
-    if settings.no_python and shutil.which(script, path=environ.get("PATH")) is None:
-        raise ConfigError(f"training_script: command not found: {settings.training_script!r}")
-    if not (settings.no_python or settings.module) and not os.path.exists(settings.training_script):
-        raise ConfigError(f"training_script: no such file: {settings.training_script!r}")
-
-
-def check_master_addr(settings: Settings) -> None:
-    """The static backend hands ``master_addr`` to every worker as MASTER_ADDR: a name that
-    does not resolve here is a start-up error; on one node, where the rank-0 worker hosts
-    the store, an address of another machine is almost surely a mistake (a warning)."""
-    if settings.rdzv_backend != "static":
-        return
-    addr = settings.master_addr
-    try:
-        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as exc:
-        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
-        raise ConfigError(f"master_addr: cannot resolve {addr!r}: {reason}") from None
-    if settings.max_nodes > 1:
-        return
-    family, _, _, _, sockaddr = infos[0]
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.bind((sockaddr[0], 0))
-        except OSError:
-            logger.warning("master_addr: %s is not an address of this machine; on one node "
-                           "the rank-0 worker hosts the store here, so workers may not reach "
-                           "it (the default is 127.0.0.1)", addr)
-
-
-def check_devices(settings: Settings, environ: Mapping[str, str]) -> None:
-    """Virtual local rank hands each worker one entry of CUDA_VISIBLE_DEVICES: enough?"""
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if not settings.virtual_local_rank or visible is None:
-        return
-    devices = [d for d in visible.split(",") if d.strip()]
-    if len(devices) < settings.local_world_size:
-        raise ConfigError(
-            f"virtual_local_rank: {settings.local_world_size} workers per node but "
-            f"CUDA_VISIBLE_DEVICES={visible!r} lists {len(devices)} device(s)"
-        )
-
-
-def check_hang_dump(settings: Settings, environ: Mapping[str, str]) -> HangDump:
-    """``--hang-dump``, with py-spy found and able to attach, or a one-line ConfigError."""
-    if settings.no_watchdog:
-        return HangDump()
-    try:
-        spec = resolve_hang_dump(settings.hang_dump, environ)
-    except ValueError as exc:
-        raise ConfigError(f"hang_dump: {exc}") from None
-    if spec.mode == "py-spy":
-        logger.info("hang dumps by %s", spec.py_spy)
-    return spec
-
 
 async def supervise(
     settings: Settings,
@@ -221,8 +126,8 @@ async def supervise(
     command: CommandFor | None = None,
     cpus: CpusFor | None = None,
     embedded: bool = False,
-) -> int:
-    """Compose and run every task; returns the exit code.
+) -> RunResult:
+    """Compose and run every task; returns how the run ended (exit code, root cause).
 
     ``embedded`` is the Python API's mode: the supervisor runs inside someone else's
     process, so it installs no signal handlers, does not become a child subreaper (the
@@ -241,7 +146,7 @@ async def supervise(
     except OutputSpecError as exc:
         raise ConfigError(str(exc)) from None
     run_id = resolve_run_id(settings)
-    log_root = _log_root(settings)
+    log_root = make_log_root(settings)
     event_log = Path(settings.event_log or log_root / run_id / "events.jsonl")
     check_event_log(event_log, "event_log" if settings.event_log else "log_dir")
     runtime = RuntimeDir.create(environ)  # before the rendezvous: a c10d host's etcd data
@@ -250,15 +155,12 @@ async def supervise(
     rendezvous: Rendezvous | None = None
     try:
         if timer_file is not None:
-            try:
-                check_fifo_path(timer_file)
-            except FifoError as exc:
-                raise ConfigError(f"timer_file: {exc}") from None
+            check_timer_file(timer_file)
         # bound before anything joins a rendezvous: a busy or unusable port ends the start
         # here, with one line, instead of after this node was counted in by the others
         sock = None if settings.no_health else open_health_socket(settings)
         rendezvous = make_rendezvous(settings, run_id, runtime.path)
-        settings = conf_barrier_timeout(settings)
+        settings = conf_barrier_timeout(settings, rendezvous)
         await connect_rendezvous(rendezvous, handle_signals=not embedded)
     except BaseException:
         if rendezvous is not None:
@@ -269,9 +171,7 @@ async def supervise(
         runtime.cleanup()
         raise
     events = EventLog(event_log, run_id)
-    etcd = etcd_rendezvous_of(rendezvous)
-    if etcd is not None:  # outages, their end and replaced leases, in the event log
-        etcd.on_event = events.emit
+    etcd = rendezvous.etcd_service()
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
     reporter = StatusReporter(notifier)
     lag = LoopLag()
@@ -283,41 +183,54 @@ async def supervise(
     cookie = uuid.uuid4().hex
     # the guardian also removes the runtime directory if we die (a SIGKILL skips cleanup)
     guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None)
-    hub = SnapshotHub(_initial_snapshot(settings, run_id))
-    goodput = GoodputRecorder(
-        events, progress, started=time.monotonic(), bound=settings.progress_timeout
-    )
     # a rank's first output line is progress when it posts no deadlines (ProgressTable)
     output.on_first_line = lambda local_rank: progress.touch_output(local_rank, time.monotonic())
-    observers: list[Observer] = [_StopNotice(reporter), goodput]
-    controller = Controller(
-        settings, rendezvous, run_id=run_id, events=events, hub=hub, log_root=log_root,
-        output=output, environ=worker_base_env(environ, settings.local_world_size, cookie),
-        timer_file=str(timer_file) if timer_file else None, guardian=guardian,
-        exempt_pids=[guardian.pid, *rendezvous_children(rendezvous)],
-        sweep_adopted=not embedded, command=command, cpus=cpus,
-        progress=progress, observers=observers,
-        stop_guard=lambda: extending_timeout(notifier), goodput=goodput,
+    send, receive = anyio.create_memory_object_stream[sm.Event | ForwardSignal | ReopenLogs](
+        max_buffer_size=4096
     )
-    goodput.republish = lambda: hub.publish(controller.snapshot())
-    if etcd is not None:  # an outage's start and end change /status: publish them
-        controller.service_status = etcd.outage_status
+    death = DeathSignal()
+    pool = make_pool(settings, rendezvous, environ, death, progress, guardian)
+    group = WorkerGroup(
+        settings, run_id=run_id, events=events, log_root=log_root, output=output,
+        environ=worker_base_env(environ, settings.local_world_size, cookie),
+        timer_file=str(timer_file) if timer_file else None, post=send.send_nowait,
+        death=death, pool=pool, guardian=guardian,
+        exempt_pids=[guardian.pid, *rendezvous.extra_pids()],
+        sweep_adopted=not embedded, command=command, cpus=cpus,
+    )
+    policy = restart_policy(settings)
+    view: ReadModel  # made next: it reads the recorder's ledger, which asks it to publish
+    goodput = GoodputRecorder(
+        events, progress, started=time.monotonic(), bound=settings.progress_timeout,
+        republish=lambda: view.publish(), shown=group.shown_attempt,
+    )
+    view = ReadModel(
+        settings, run_id=run_id, backend=rendezvous.backend, group=group, policy=policy,
+        events=events, output=output, timer_file=str(timer_file) if timer_file else None,
+        health_port=sock.getsockname()[1] if sock is not None else None, goodput=goodput,
+        service_status=etcd.outage_status if etcd is not None else None,
+        members_checked=rendezvous.capabilities.coordinates_nodes or settings.max_nodes == 1,
+    )
+    hub = view.hub
+    if etcd is not None:  # outages, their end and replaced leases: logged, in /status
         emit = events.emit
 
         def on_etcd_event(kind: str, **fields: Any) -> None:
             emit(kind, **fields)
-            hub.publish(controller.snapshot())
+            view.publish()
 
         etcd.on_event = on_etcd_event
-    goodput.shown = controller.shown_attempt
+    observers: list[Observer] = [_StopNotice(reporter), goodput]
+    controller = Controller(
+        settings, rendezvous, group=group, view=view, policy=policy, events=events,
+        output=output, progress=progress, observers=observers,
+        stop_guard=lambda: extending_timeout(notifier),
+    )
     for level, note in advisories(settings):  # after the checks: a failed start is one line
         logger.log(level, "%s", note)
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
                 local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
     logger.info("run %s: logs under %s", run_id, log_root / run_id)
-    send, receive = anyio.create_memory_object_stream[sm.Event | ForwardSignal | ReopenLogs](
-        max_buffer_size=4096
-    )
     try:
         async with anyio.create_task_group() as tg:
             if not embedded:
@@ -335,17 +248,19 @@ async def supervise(
                 watchdog = await start_watchdog(
                     tg, settings, controller, timer_file, send, hang_dump
                 )
+            # health signals run whether or not the deadline FIFO does (--no-watchdog)
+            dstate = await start_health_signals(tg, settings, controller, send)
+            controller.attach(_WatchdogHooks(watchdog, dstate))
             if sock is not None:
                 port = sock.getsockname()[1]
-                controller.health_port = port  # in the STATUS line and /status
                 logger.info("health endpoint on http://%s:%d", settings.health_host, port)
                 events.emit("health_listening", host=settings.health_host, port=port)
-                tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog)
+                tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog, goodput,
+                              hub)
                 health_url = f"http://{advertised_host(settings)}:{port}"
-            if settings.rdzv_backend == "etcd":
-                start_summaries(tg, rendezvous, hub, health_url)
+            start_summaries(tg, rendezvous, hub, health_url)
             tg.start_soon(publish_status, hub, reporter)
-            code = await controller.run(receive, send)
+            result = await controller.run(receive, send)
             reporter.publish(hub.current)
             await _close_rendezvous(rendezvous, controller.state)
             tg.cancel_scope.cancel()
@@ -360,7 +275,7 @@ async def supervise(
         events.close()
         notifier.close()
         runtime.cleanup()
-    return code
+    return result
 
 
 class StoppedBeforeStart(Exception):
@@ -406,21 +321,23 @@ async def _cancel_on_stop_signal(
             return
 
 
-def etcd_rendezvous_of(rendezvous: Rendezvous) -> EtcdRendezvous | None:
-    """The etcd rendezvous behind the backend (c10d wraps one), if there is one."""
-    if "supervisor.rendezvous.etcd" not in sys.modules:
-        return None  # the static backend: nothing of etcd was ever imported
-    from supervisor.rendezvous.etcd import EtcdRendezvous
-
-    inner = getattr(rendezvous, "inner", rendezvous)
-    return inner if isinstance(inner, EtcdRendezvous) else None
-
-
-def rendezvous_children(rendezvous: Rendezvous) -> list[int]:
-    """Our children that belong to the rendezvous (a c10d host's etcd): never swept as
-    strays when a worker group stops."""
-    pid = getattr(rendezvous, "server_pid", None)
-    return [pid] if isinstance(pid, int) else []
+def make_pool(
+    settings: Settings,
+    rendezvous: Rendezvous,
+    environ: Mapping[str, str],
+    death: DeathSignal,
+    progress: ProgressTable,
+    guardian: Guardian,
+) -> Pool:
+    """The warm pool (``--no-warm-restart``: none, every attempt starts cold)."""
+    if settings.no_warm_restart:
+        return NullPool()
+    return WarmPool(
+        settings, python=environ.get("PYTHON_EXEC", sys.executable), death=death,
+        progress=progress,
+        membership_can_change=rendezvous.capabilities.membership_can_change,
+        guardian=guardian,
+    )
 
 
 def advertised_host(settings: Settings) -> str:
@@ -433,10 +350,10 @@ def advertised_host(settings: Settings) -> str:
 def start_summaries(
     tg: TaskGroup, rendezvous: Rendezvous, hub: SnapshotHub, health_url: str | None
 ) -> None:
-    """Publish this node's status summary in etcd (the job-wide view of ``status``);
-    for c10d too, in the etcd its host runs."""
-    etcd = etcd_rendezvous_of(rendezvous)
-    if etcd is not None:
+    """Publish this node's status summary in etcd (the job-wide view of ``status``), for
+    every backend that keeps one: etcd, etcd-v2, and c10d in the etcd its host runs."""
+    etcd = rendezvous.etcd_service()
+    if etcd is not None and rendezvous.capabilities.job_status:
         from supervisor.rendezvous.summary import publish_summaries
 
         tg.start_soon(publish_summaries, etcd, hub, lambda: health_url)
@@ -462,60 +379,6 @@ def _timer_file(settings: Settings, runtime_dir: Path) -> Path:
     return runtime_dir / "watchdog" / "timer.fifo"
 
 
-def open_health_socket(settings: Settings) -> socket.socket:
-    """The health endpoint's listening socket. A port that came from no flag, file or
-    variable (the built-in default) moves to a free one when busy, with a warning: two
-    jobs with default settings on one workstation both start. A chosen port never moves."""
-    host, port = settings.health_host, settings.health_port
-    if port is not None:
-        return bind_health_socket(host, port)
-    try:
-        return bind_health_socket(host, DEFAULT_HEALTH_PORT)
-    except PortBusy:
-        sock = bind_health_socket(host, 0)
-        logger.warning(
-            "health_port: the default port %d is busy (another supervisor?); listening on "
-            "free port %d instead (set --health-port to choose one)",
-            DEFAULT_HEALTH_PORT, sock.getsockname()[1],
-        )
-        return sock
-
-
-class PortBusy(ConfigError):
-    """The port is in use by another socket."""
-
-
-def bind_health_socket(host: str, port: int) -> socket.socket:
-    """Bind and listen now (port 0 picks one): probes queue in the backlog until served.
-    Every failure is a one-line ConfigError naming the setting at fault."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-    except OSError as exc:
-        sock.close()
-        raise _bind_error(host, port, exc) from None
-    sock.setblocking(False)
-    return sock
-
-
-def _bind_error(host: str, port: int, exc: OSError) -> ConfigError:
-    where = f"{host}:{port}"
-    if isinstance(exc, socket.gaierror):
-        return ConfigError(f"health_host: cannot resolve {host!r}: {exc.strerror}")
-    if exc.errno == errno.EADDRNOTAVAIL:
-        return ConfigError(f"health_host: {host} is not an address of this machine ({where})")
-    if exc.errno == errno.EADDRINUSE:
-        return PortBusy(f"health_port: cannot listen on {where}: port already in use "
-                        "(another supervisor? choose another --health-port, or 0 for any)")
-    if exc.errno == errno.EACCES:
-        return ConfigError(f"health_port: cannot listen on {where}: permission denied "
-                           "(ports below 1024 need root or CAP_NET_BIND_SERVICE)")
-    return ConfigError(f"health_port: cannot listen on {where}: {exc.strerror or exc}")
-
-
 SERVE_DEFER = 0.5  # seconds the health server may wait for the first launch before serving
 
 
@@ -525,6 +388,8 @@ async def serve_when_launched(
     sock: socket.socket,
     lag: LoopLag,
     watchdog: Watchdog | None,
+    goodput: GoodputRecorder,
+    hub: SnapshotHub,
 ) -> None:
     """Serve HTTP once the first group is launched (or SERVE_DEFER passed, for a long
     rendezvous): importing aiohttp and prometheus-client costs ~100 ms, which would
@@ -538,7 +403,7 @@ async def serve_when_launched(
 
     metrics = Metrics(started=controller.started)
     controller.attach_late(metrics)
-    etcd = etcd_rendezvous_of(controller.rendezvous)
+    etcd = controller.rendezvous.etcd_service()
     if etcd is not None:
         from supervisor.rendezvous.etcd_metrics import EtcdCollector
 
@@ -546,13 +411,12 @@ async def serve_when_launched(
     metrics.watch_loop(lag)
     metrics.watch_event_log(controller.events)
     metrics.watch_output(controller.output.loss)
-    if controller.goodput is not None:
-        controller.goodput.attach_metrics(metrics)
+    goodput.attach_metrics(metrics)
     if watchdog is not None:
         watchdog.metrics = metrics
     serve = functools.partial(serve_health, sock=sock)
     await tg.start(
-        serve, "", 0, lambda: controller.hub.current, controller.progress, metrics, lag.current
+        serve, "", 0, lambda: hub.current, controller.progress, metrics, lag.current
     )
 
 
@@ -564,7 +428,7 @@ async def start_watchdog(
     outbox: Outbox,
     hang_dump: HangDump,
 ) -> Watchdog:
-    """Open the deadline FIFO and start the D-state check; both report into the inbox."""
+    """Open the deadline FIFO; expired deadlines are reported into the inbox."""
 
     def dump_path(local_rank: int, pid: int) -> Path | None:
         attempt = controller.attempt
@@ -583,35 +447,44 @@ async def start_watchdog(
         config=config,
     )
     path = await tg.start(watchdog.run)
-    dstate = DStateMonitor(
-        controller.live_worker_ranks, outbox.send, hang_state_timeout=settings.hang_state_timeout
-    )
-    await tg.start(dstate.run)
-    controller.observers.append(_WatchdogHooks(watchdog, dstate))
     logger.info("deadline FIFO at %s", path)
     return watchdog
 
 
-class _WatchdogHooks:
-    """Keeps the watchdog's tables in step with the worker group."""
+async def start_health_signals(
+    tg: TaskGroup, settings: Settings, controller: Controller, outbox: Outbox
+) -> DStateMonitor:
+    """Start the checks of the workers' health that need no cooperation from them (a
+    worker stuck in uninterruptible sleep); they report into the inbox."""
+    dstate = DStateMonitor(
+        controller.live_worker_ranks, outbox.send, hang_state_timeout=settings.hang_state_timeout
+    )
+    await tg.start(dstate.run)
+    return dstate
 
-    def __init__(self, watchdog: Watchdog, dstate: DStateMonitor) -> None:
+
+class _WatchdogHooks:
+    """Keeps the watchdog's and health signals' tables in step with the worker group."""
+
+    def __init__(self, watchdog: Watchdog | None, dstate: DStateMonitor) -> None:
         self.watchdog = watchdog
         self.dstate = dstate
 
     def on_transition(
         self, old: sm.State, new: sm.State, event: sm.Event, decision: sm.Decision
     ) -> None:
-        if isinstance(event, sm.WorkerExited):
+        if isinstance(event, sm.WorkerExited) and self.watchdog is not None:
             self.watchdog.forget_pid(event.pid)
 
     def on_launch(self, attempt: Attempt) -> None:
         # before any worker of the attempt can post: they are still exec'ing
-        self.watchdog.reset(attempt.number)
+        if self.watchdog is not None:
+            self.watchdog.reset(attempt.number)
         self.dstate.reset(attempt.number)
 
     def on_stopped(self, attempt: Attempt) -> None:
-        self.watchdog.clear()
+        if self.watchdog is not None:
+            self.watchdog.clear()
 
 
 class RuntimeDir:
@@ -685,47 +558,3 @@ async def deliver_signals(outbox: Outbox, *, task_status: TaskStatus[None]) -> N
                 outbox.send_nowait(ReopenLogs())
             else:
                 outbox.send_nowait(sm.ShutdownRequested(signum))
-
-
-def _log_root(settings: Settings) -> Path:
-    """The log directory, created and writable, or a one-line ConfigError."""
-    if settings.log_dir:
-        root = Path(settings.log_dir)
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"log_dir: cannot create {root}: {_reason(exc)}") from None
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise ConfigError(f"log_dir: {root} is not writable by this user")
-        return root
-    # like torchrun: a fresh directory that outlives the run, so error files stay readable
-    try:
-        return Path(tempfile.mkdtemp(prefix="elastic-supervisor-"))
-    except OSError as exc:
-        message = f"log_dir: cannot create a directory in {tempfile.gettempdir()}: {_reason(exc)}"
-        raise ConfigError(message + " (set --log-dir or TMPDIR)") from None
-
-
-def check_event_log(path: Path, setting: str) -> None:
-    """Open the event log for append once, now: an unusable path stops the start with one
-    line (later write errors are logged and the job goes on)."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
-    except OSError as exc:
-        raise ConfigError(f"{setting}: cannot open the event log {path}: {_reason(exc)}") from None
-    os.close(fd)
-
-
-def _reason(exc: OSError) -> str:
-    return exc.strerror or str(exc)
-
-
-def _initial_snapshot(settings: Settings, run_id: str) -> Snapshot:
-    return Snapshot(
-        run_id=run_id, phase=sm.Phase.RENDEZVOUS.value, attempt=0, restart_count=0,
-        max_restarts=settings.max_restarts, restarts_left=settings.max_restarts, world_size=0,
-        local_world_size=settings.local_world_size, role=settings.role,
-        published_at=time.monotonic(), started_at_wall=time.time(),
-        progress_timeout=settings.progress_timeout, ready_when=settings.ready_when,
-    )

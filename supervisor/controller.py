@@ -1,10 +1,11 @@
 """The controller: consumes events, runs the pure state machine, carries out decisions.
 
 It is the only code that changes supervisor state. Tasks elsewhere (signals, watchdog,
-health, rendezvous poller, worker monitors) only report events into its inbox. Long
+health, membership watch, worker monitors) only report events into its inbox. Long
 actions (rendezvous, backoff, exit barrier, stopping a group) run as tasks in the
 controller's own task group and report back with an event when done, so the controller
-always stays responsive (a second SIGTERM during a stop escalates at once).
+always stays responsive (a second SIGTERM during a stop escalates at once). What readers
+see (snapshots, the status line, the summary) is the read model's (``views``).
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Protocol
 
 import anyio
 import msgspec
@@ -25,15 +25,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from supervisor.config import Settings
 from supervisor.core import state as sm
 from supervisor.core.policy import RestartPolicy
-from supervisor.core.snapshot import (
-    FailureView,
-    ProgressTable,
-    RendezvousView,
-    Snapshot,
-    WorkerView,
-)
+from supervisor.core.snapshot import ProgressTable
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import Rendezvous, RendezvousError, RendezvousResult
+from supervisor.rendezvous.watch import MembershipWatch
+from supervisor.views import ReadModel, RunResult, SnapshotHub, signame
 from supervisor.workers.group import (
     Attempt,
     AttemptPrepError,
@@ -42,17 +38,11 @@ from supervisor.workers.group import (
     WorkerGroup,
     settings_command,
 )
-from supervisor.workers.guardian import Guardian
 from supervisor.workers.output import OutputPlan
-from supervisor.workers.spawn import Worker, signal_workers
-
-AUTO_SETTLE = 5.5  # s after a launch: a warm worker has recorded its imports at 1 and 5 s
+from supervisor.workers.spawn import signal_workers
 
 __all__ = ["Attempt", "CommandFor", "Controller", "CpusFor", "ForwardSignal", "Observer",
            "ReopenLogs", "SnapshotHub", "settings_command"]
-
-if TYPE_CHECKING:
-    from supervisor.accounting import GoodputRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -89,24 +79,21 @@ class Observer(Protocol):
     def on_stopped(self, attempt: Attempt) -> None: ...
 
 
-class SnapshotHub:
-    """Holds the latest published Snapshot; readers wait for changes without polling."""
-
-    def __init__(self, first: Snapshot) -> None:
-        self.current = first
-        self.version = 0
-        self._changed = anyio.Event()
-
-    def publish(self, snapshot: Snapshot) -> None:
-        self.current = snapshot
-        self.version += 1
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    async def wait_changed(self, seen: int) -> int:
-        while self.version == seen:
-            await self._changed.wait()
-        return self.version
+def restart_policy(settings: Settings) -> RestartPolicy:
+    """The restart budget and backoff the flags ask for."""
+    base, top = settings.backoff
+    return RestartPolicy(
+        max_restarts=settings.max_restarts,
+        backoff_base=base,
+        backoff_max=top,
+        budget_window=settings.restart_budget_window,
+        no_restart_exit_codes=frozenset(settings.no_restart_exit_codes),
+        restart_exit_codes=(
+            frozenset(settings.restart_exit_codes)
+            if settings.restart_exit_codes is not None
+            else None
+        ),
+    )
 
 
 class Controller:
@@ -117,69 +104,38 @@ class Controller:
         settings: Settings,
         rendezvous: Rendezvous,
         *,
-        run_id: str,
+        group: WorkerGroup,
+        view: ReadModel,
+        policy: RestartPolicy,
         events: EventLog,
-        hub: SnapshotHub,
-        log_root: Path,
         output: OutputPlan,
-        environ: Mapping[str, str],
-        timer_file: str | None,
-        guardian: Guardian | None = None,
-        sweep_adopted: bool = True,
-        exempt_pids: Iterable[int] = (),
+        progress: ProgressTable,
         observers: Sequence[Observer] = (),
-        command: CommandFor | None = None,
-        cpus: CpusFor | None = None,
-        progress: ProgressTable | None = None,
         stop_guard: StopGuard | None = None,
-        goodput: GoodputRecorder | None = None,
     ) -> None:
         self.settings = settings
         self.rendezvous = rendezvous
-        self.run_id = run_id
+        self.group = group
+        self.view = view
+        self.policy = policy
         self.events = events
-        self.hub = hub
-        self.log_root = log_root
         self.output = output
-        self.timer_file = timer_file
-        self.guardian = guardian
-        self.observers = list(observers)
-        self.progress = progress or ProgressTable()
+        self.progress = progress
+        # the read model first: its event-log lines precede those of other observers
+        self.observers: list[Observer] = [view, *observers]
         self.stop_guard = stop_guard
-        self.goodput = goodput  # also one of the observers; read for snapshots, summary
         self.started = time.monotonic()
         # transitions so far, for an observer that attaches late (the metrics, created
         # after the first launch so their imports do not delay it); None once replayed
         self._replay: list[tuple[sm.State, sm.State, sm.Event, sm.Decision]] | None = []
-        base, top = settings.backoff
-        self.policy = RestartPolicy(
-            max_restarts=settings.max_restarts,
-            backoff_base=base,
-            backoff_max=top,
-            budget_window=settings.restart_budget_window,
-            no_restart_exit_codes=frozenset(settings.no_restart_exit_codes),
-            restart_exit_codes=(
-                frozenset(settings.restart_exit_codes)
-                if settings.restart_exit_codes is not None
-                else None
-            ),
-        )
         self.state = sm.State()
         self.round: RendezvousResult | None = None
-        self.group = WorkerGroup(
-            settings, run_id=run_id, events=events, log_root=log_root, output=output,
-            environ=environ, timer_file=timer_file, post=self._post, guardian=guardian,
-            sweep_adopted=sweep_adopted, exempt_pids=exempt_pids, command=command, cpus=cpus,
-        )
-        self.health_port: int | None = None  # set once the health socket is bound
-        # the etcd backends' reachability and outages, for /status (set by the app)
-        self.service_status: Callable[[], dict[str, Any]] | None = None
         self._action = anyio.CancelScope()
         self._tg: TaskGroup | None = None
         self._send: Outbox | None = None
         self._rng = random.Random()
-        self._started_wall = time.time()
         self._launched_once = anyio.Event()
+        self.membership = MembershipWatch(rendezvous, events, self._post)
 
     @property
     def attempt(self) -> Attempt | None:
@@ -187,13 +143,13 @@ class Controller:
         return self.group.attempt
 
     # ------------------------------------------------------------------ main loop
-    async def run(self, inbox: Inbox, outbox: Outbox) -> int:
-        """Run until a final state; return the process exit code."""
+    async def run(self, inbox: Inbox, outbox: Outbox) -> RunResult:
+        """Run until a final state; return how it ended (the exit code and root cause)."""
         self._send = outbox
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                self._publish()
+                self.view.publish()
                 self._execute(sm.StartRendezvous())
                 async for item in inbox:
                     if isinstance(item, ForwardSignal | ReopenLogs):
@@ -205,9 +161,14 @@ class Controller:
                 tg.cancel_scope.cancel()
         finally:
             await self.group.release()
-            self.group.discard_standbys()
-        self._summarise()
-        return self.state.exit_code if self.state.exit_code is not None else 1
+            self.group.close()
+        self.view.summarise()
+        return self.view.result()
+
+    def attach(self, observer: Observer) -> None:
+        """Add an observer of the transitions from now on (started before the first
+        launch: the watchdog's and health signals' tables)."""
+        self.observers.append(observer)
 
     def attach_late(self, observer: Observer) -> None:
         """Add an observer and replay to it every transition made so far."""
@@ -226,55 +187,34 @@ class Controller:
         self._send.send_nowait(event)
 
     def _apply(self, event: sm.Event) -> None:
-        if self._stale(event):
-            logger.debug("dropping stale %s", event)
-            return
-        self._record(event)
         old = self.state
-        new, decision = sm.transition(old, event, self.policy)
+        if sm.is_stale(old, event):  # an earlier attempt's: it can change nothing now
+            self.view.on_stale(event)
+            return
+        try:
+            new, decision = sm.transition(old, event, self.policy)
+        except sm.InvalidTransition as exc:
+            # a bug of ours, never the workers': say so loudly and keep supervising
+            # (raising here would end the run and orphan the group's stop)
+            logger.error("ignoring an event the state machine has no edge for: %s (%r)",
+                         exc, event)
+            self.events.emit("invalid_transition", phase=old.phase.value,
+                             event=type(event).__name__)
+            return
         self.state = new
-        self.events.attempt = self.shown_attempt(new.attempt)
-        if new.phase is not old.phase:
-            logger.info("%s -> %s (%s)", old.phase.value, new.phase.value, type(event).__name__)
-            self.events.emit(
-                "state", old=old.phase.value, new=new.phase.value, cause=type(event).__name__,
-                reason=(new.stop_reason.value if new.stop_reason else None),
-            )
-        if new.phase is sm.Phase.FAILED and old.stop_reason is sm.StopReason.FAILURE:
-            self.events.emit("restart_refused", reason=new.last_decision_reason,
-                             restart_count=new.restart_count)
         for observer in self.observers:
             observer.on_transition(old, new, event, decision)
         if self._replay is not None:
             self._replay.append((old, new, event, decision))
-        self._publish()
+        self.view.publish()
         self._execute(decision)
-
-    def _record(self, event: sm.Event) -> None:
-        """Event-log lines for inputs that are not state changes by themselves."""
-        if isinstance(event, sm.DeadlineExpired):
-            self.events.emit(
-                "deadline_expired", local_rank=event.local_rank, pid=event.pid,
-                scope=event.scope, late=round(event.late, 6),
-            )
-        elif isinstance(event, sm.WorkerUnhealthy):
-            self.events.emit(
-                "worker_unhealthy", local_rank=event.local_rank, pid=event.pid,
-                reason=event.reason,
-            )
-
-    def _stale(self, event: sm.Event) -> bool:
-        attempt = getattr(event, "attempt", None)
-        if isinstance(event, sm.GroupLaunched | sm.LaunchFailed):
-            return False
-        return attempt is not None and attempt != self.state.attempt
 
     def _command(self, command: Command) -> None:
         if isinstance(command, ForwardSignal):
             workers = self.attempt.workers if self.attempt else []
-            logger.info("forwarding %s to %d workers", _signame(command.signum), len(workers))
+            logger.info("forwarding %s to %d workers", signame(command.signum), len(workers))
             signal_workers(workers, command.signum)
-            self.events.emit("signal_forwarded", signal=_signame(command.signum))
+            self.events.emit("signal_forwarded", signal=signame(command.signum))
         else:
             logger.info("reopening log files")
             self.events.reopen()
@@ -323,6 +263,7 @@ class Controller:
             self._post(sm.RendezvousFailed(str(exc), time.monotonic()))
             return
         self.round = msgspec.structs.replace(result, duration=time.monotonic() - started)
+        self.view.on_round(self.round)
         job_restarts = await self._job_restarts()
         self.events.emit(
             "rendezvous", round=result.round, group_rank=result.group_rank,
@@ -379,7 +320,7 @@ class Controller:
         assert self.round is not None and self._tg is not None
         group = self.group
         self.progress.reset(decision.attempt)
-        self.events.attempt = self.shown_attempt(decision.attempt)
+        self.events.attempt = group.shown_attempt(decision.attempt)
         try:
             attempt, failed_to_start = group.launch(decision.attempt, decision.restart_count,
                                                     self.round)
@@ -389,13 +330,13 @@ class Controller:
             self.events.emit("attempt_prepare_failed", message=str(exc))
             self._apply(sm.LaunchFailed(decision.attempt, str(exc), time.monotonic()))
             return
-        self.events.attempt = self.shown_attempt(decision.attempt)  # a taken K was skipped
-        self._tg.start_soon(group.supervise, attempt, self._watch_membership)
+        self.events.attempt = group.shown_attempt(decision.attempt)  # a taken K was skipped
+        self._tg.start_soon(group.supervise, attempt, self.membership.watch)
         layout = attempt.layout
         self.events.emit(
             "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
             pids={w.local_rank: w.pid for w in attempt.workers},
-            warm=[w.local_rank for w in attempt.workers if w.extra.get("warm")] or None,
+            warm=[w.local_rank for w in attempt.workers if w.start.warm] or None,
             master_addr=layout.master_addr, master_port=layout.master_port,
             cpus={w.local_rank: list(w.spec.cpus) for w in attempt.workers if w.spec.cpus}
             or None,
@@ -409,63 +350,15 @@ class Controller:
         for local_rank, message in failed_to_start:
             self._post(sm.WorkerExited(decision.attempt, local_rank, 0, 127, None, now, message))
         self._launched_once.set()
-        if group.restart_possible(decision.restart_count):
-            if group.preloading:
-                self._tg.start_soon(self._preload_standbys, attempt)
-            else:  # planned now, before any event of this attempt is handled
-                self._tg.start_soon(group.start_standbys, group.plan_standbys(attempt))
-
-    async def _preload_standbys(self, attempt: Attempt) -> None:
-        """Preloading standbys for the next attempt, once this one has resumed.
-
-        A standby that imports a framework costs seconds of CPU: started at once, it would
-        compete with the very ranks that are resuming. So they start when every rank has
-        shown progress in this attempt, or ``preload_after`` seconds after the launch for
-        a job that shows none (their imports run at idle CPU priority in any case)."""
-        launched = time.monotonic()
-        with anyio.move_on_after(self.settings.preload_after):
-            await self._all_progressed(attempt)
-        if self.group.standby_options.auto:  # the workers' second record of their imports
-            await anyio.sleep(max(0.0, launched + AUTO_SETTLE - time.monotonic()))
-        if self.attempt is attempt and self.state.phase is sm.Phase.RUNNING:
-            self.group.learn_store(attempt)
-            await self.group.start_standbys(self.group.plan_standbys(attempt))
-
-    async def _all_progressed(self, attempt: Attempt) -> None:
-        """Return once every local rank of ``attempt`` has shown progress."""
-        done = anyio.Event()
-        ranks = attempt.layout.local_world_size
-
-        def check() -> None:
-            if self.progress.attempt == attempt.number and self.progress.count() >= ranks:
-                done.set()
-
-        self.progress.listeners.append(check)
-        try:
-            check()
-            await done.wait()
-        finally:
-            self.progress.listeners.remove(check)
-
-    def _exempt(self) -> set[int]:
-        """Our children a group's sweep must not kill: the guardian and the standbys."""
-        return self.group.exempt()
-
-    async def _watch_membership(self, attempt: Attempt) -> None:
-        try:
-            reason = await self.rendezvous.wait_membership_change(attempt.round)
-        except RendezvousError as exc:
-            reason = f"rendezvous lost: {exc}"
-        self.events.emit("membership_changed", reason=reason)
-        self._post(sm.MembershipChanged(reason))
 
     def _stop(self, decision: sm.StopGroup) -> None:
         if decision.reason in (sm.StopReason.SHUTDOWN, sm.StopReason.FATAL):
             self._action.cancel()  # no more rendezvous, backoff or barrier
         attempt = self.attempt
+        self.group.stopping(attempt)  # no standby is planned for it from now on
         root = self.state.root_cause
         self.events.emit(
-            "group_stopping", reason=decision.reason.value, signal=_signame(decision.signum),
+            "group_stopping", reason=decision.reason.value, signal=signame(decision.signum),
             root_cause=root.describe() if root else None,
         )
         if root is not None and decision.reason is sm.StopReason.FAILURE:
@@ -501,81 +394,6 @@ class Controller:
             root_cause=root.describe() if root else None,
         )
 
-    def _summarise(self) -> None:
-        self._summarise_losses()
-        s = self.state
-        if self.goodput is not None:
-            logger.info("%s", self.goodput.summary_line())
-        if s.phase is sm.Phase.SUCCEEDED:
-            unchecked = self.rendezvous.backend == "static" and self.settings.max_nodes > 1
-            logger.info("job succeeded after %d restart(s)%s", s.restart_count,
-                        " on this node (static backend: the other nodes were not checked)"
-                        if unchecked else "")
-            return
-        if s.phase is sm.Phase.STOPPED:
-            # asked to stop (SIGTERM, systemctl stop): a clean end, not an error to alert on
-            logger.info("job stopped (exit code %s): %s", s.exit_code, s.last_decision_reason)
-            return
-        logger.error("job %s (exit code %s): %s", s.phase.value, s.exit_code,
-                     s.last_decision_reason)
-        failure = s.root_cause or s.last_failure
-        if failure is None or self.attempt is None:
-            return
-        attempt = self.attempt
-        lines = ["failure summary:", f"  root cause: {failure.describe()}"]
-        if failure.local_rank is not None:
-            rank = attempt.layout.rank_offset + failure.local_rank
-            shown = self.shown_attempt(failure.attempt)
-            lines.append(f"  rank {rank} (local {failure.local_rank}), attempt {shown}")
-            lines.extend(f"  {line}" for line in self._rank_files(failure))
-        for worker in attempt.workers:
-            st = worker.status
-            outcome = (
-                "running" if st is None
-                else f"exit {st.exit_code}" if st.exit_code is not None
-                else f"signal {_signame(st.signal or 0)}"
-            )
-            lines.append(f"  local rank {worker.local_rank} pid {worker.pid}: {outcome}")
-        logger.error("\n".join(lines))
-
-    def _summarise_losses(self) -> None:
-        """What a full disk cost: event-log records and worker output never written."""
-        lost_events = self.events.loss_summary()
-        if lost_events:
-            logger.warning("%s", lost_events)
-        lost_output = self.output.loss.lost_bytes
-        if lost_output:
-            logger.warning("%d bytes of worker output could not be written to the log files "
-                           "(each gap is marked in its file)", lost_output)
-
-    def _rank_files(self, failure: sm.Failure) -> list[str]:
-        """Summary lines naming the failed rank's files that exist: its error file, its
-        output logs, or where the output went instead (nothing redirected: the console)."""
-        assert failure.local_rank is not None
-        rank_dir = self.attempt_dir(failure.attempt) / str(failure.local_rank)
-        lines = []
-        error_file = rank_dir / "error.json"
-        if error_file.is_file():
-            lines.append(f"error file: {error_file}")
-        logs = [str(rank_dir / n) for n in ("stdout.log", "stderr.log") if (rank_dir / n).is_file()]
-        if logs:
-            lines.append(f"logs: {', '.join(logs)}")
-        else:
-            lines.append("output: on the console above (--redirects or --tee keep it in files)")
-        return lines
-
-    def shown_attempt(self, number: int) -> int:
-        """The attempt number users see, everywhere (summary, /status, events, metrics,
-        STATUS): K of its ``attempt_K`` directory, torchrun's layout. It counts from 0 and
-        continues after the directories an earlier run left under the same run id.
-        ``number`` is the state machine's launch count (1 for the first launch); before
-        the first launch this is the number the first attempt will get."""
-        return self.group.dir_base + max(number, 1) - 1
-
-    def attempt_dir(self, number: int) -> Path:
-        """The directory of the attempt with state machine number ``number``."""
-        return self.log_root / self.run_id / f"attempt_{self.shown_attempt(number)}"
-
     # ------------------------------------------------------------------ snapshots
     def live_worker_ranks(self) -> dict[int, int]:
         """{pid: local rank} of the current attempt's workers that have not exited.
@@ -587,102 +405,3 @@ class Controller:
         if attempt is None or self.state.phase is not sm.Phase.RUNNING:
             return {}
         return {w.pid: w.local_rank for w in attempt.workers if w.status is None}
-
-    def _publish(self) -> None:
-        self.hub.publish(self.snapshot())
-
-    def snapshot(self) -> Snapshot:
-        s = self.state
-        attempt = self.attempt
-        workers: tuple[WorkerView, ...] = ()
-        if attempt is not None:
-            workers = tuple(_worker_view(w, s.phase) for w in attempt.workers)
-        rnd = self.round
-        return Snapshot(
-            run_id=self.run_id,
-            phase=s.phase.value,
-            attempt=self.shown_attempt(s.attempt),
-            restart_count=s.restart_count,
-            max_restarts=self.settings.max_restarts,
-            restarts_left=self.policy.budget_left(s.history, time.monotonic()),
-            world_size=rnd.world_size if rnd else 0,
-            local_world_size=self.settings.local_world_size,
-            role=self.settings.role,
-            published_at=time.monotonic(),
-            started_at_wall=self._started_wall,
-            workers=workers,
-            last_failure=self._failure_view(s.last_failure),
-            rendezvous=RendezvousView(
-                backend=self.rendezvous.backend,
-                round=rnd.round if rnd else 0,
-                members=rnd.members if rnd else (),
-                group_rank=rnd.group_rank if rnd else 0,
-                group_world_size=rnd.group_world_size if rnd else 0,
-                last_duration=rnd.duration if rnd else None,
-                etcd=self.service_status() if self.service_status is not None else None,
-            ),
-            watchdog_enabled=self.timer_file is not None,
-            progress_timeout=self.settings.progress_timeout,
-            status_line=self.status_line(),
-            exit_code=s.exit_code,
-            goodput=self.goodput.ledger() if self.goodput is not None else None,
-            ready_when=self.settings.ready_when,
-        )
-
-    def status_line(self) -> str:
-        s = self.state
-        n = self.settings.local_world_size
-        up = len(s.running) if s.phase is sm.Phase.RUNNING else 0
-        budget = f"restarts {s.restart_count}/{self.settings.max_restarts}"
-        shown = self.shown_attempt(s.attempt)
-        line = f"{s.phase.value} attempt {shown}: {up}/{n} workers, {budget}"
-        # the port actually used: it differs from the default when that one was busy
-        return line if self.health_port is None else f"{line}, health port {self.health_port}"
-
-    def _failure_view(self, failure: sm.Failure | None) -> FailureView | None:
-        if failure is None:
-            return None
-        offset = self.attempt.layout.rank_offset if self.attempt else 0
-        error_file = None
-        if failure.local_rank is not None:
-            path = self.attempt_dir(failure.attempt) / str(failure.local_rank) / "error.json"
-            error_file = str(path) if path.is_file() else None  # only a file that exists
-        return FailureView(
-            kind=failure.kind.value,
-            attempt=self.shown_attempt(failure.attempt),
-            local_rank=failure.local_rank,
-            global_rank=None if failure.local_rank is None else offset + failure.local_rank,
-            pid=failure.pid,
-            exit_code=failure.exit_code,
-            signal=failure.signal,
-            message=failure.message,
-            description=failure.describe(),
-            at_wall=time.time() - (time.monotonic() - failure.at),
-            error_file=error_file,
-        )
-
-
-def _worker_view(worker: Worker, phase: sm.Phase) -> WorkerView:
-    st = worker.status
-    if st is None:
-        state = "running"
-    elif st.ok:
-        state = "succeeded"
-    elif phase is sm.Phase.STOPPING:
-        state = "stopped"
-    else:
-        state = "failed"
-    return WorkerView(
-        local_rank=worker.local_rank,
-        global_rank=worker.spec.global_rank,
-        pid=worker.pid,
-        state=state,
-        started_at=worker.started_at_wall,
-        exit_code=st.exit_code if st else None,
-        signal=st.signal if st else None,
-        cpu_affinity=worker.spec.cpus,
-    )
-
-
-def _signame(signum: int | None) -> str:
-    return sm.signal_name(signum) if signum else ""

@@ -77,7 +77,7 @@ def test_not_ready_once_a_failure_is_noticed() -> None:
 def test_progress_table_expects_what_earlier_attempts_showed() -> None:
     heard: list[tuple[int, int, float]] = []
     table = ProgressTable()
-    table.listener = lambda attempt, rank, at: heard.append((attempt, rank, at))
+    table.listeners.append(lambda attempt, rank, at: heard.append((attempt, rank, at)))
     table.reset(1)
     table.touch_output(0, 1.0)  # a first line counts for a rank that posts no deadline
     table.touch(1, 2.0)

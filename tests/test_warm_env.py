@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 from supervisor.core.envs import PER_ATTEMPT_ENV
-from supervisor.workers.standby import env_mismatch, standby_env
+from supervisor.workers.warm.standby import env_mismatch, standby_env
 from tests.conftest import FAKE_WORKER, TESTS, supervisor
 
 PROBE = str(TESTS / "workers" / "probe_main.py")

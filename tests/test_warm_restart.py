@@ -153,7 +153,7 @@ async def test_no_warm_restart_starts_every_attempt_cold(tmp_path: Path) -> None
 # run time: a standby then starts only once the one before it has reported (or the plan
 # is halted), whatever the machine's load, so the order below is the mechanism's own.
 PATIENT = [sys.executable, "-c",
-           "import runpy, sys, supervisor.workers.group as g; g.STAGGER = 600.0; "
+           "import runpy, sys, supervisor.workers.warm.pool as g; g.STAGGER = 600.0; "
            "sys.argv[0] = 'supervisor'; runpy.run_module('supervisor', run_name='__main__')",
            "run"]
 # A preload that takes as long as the test wants. PRELOAD_GATE is a FIFO: opening it to
@@ -225,7 +225,7 @@ async def test_a_worker_handed_over_mid_import_finishes_it_at_normal_priority(
         tmp_path: Path) -> None:
     """A crash while the standby still imports: the worker waits for the import (it is
     ahead of a cold start), which must then not run at idle priority any more."""
-    from supervisor.workers.standby import _can_raise_priority
+    from supervisor.workers.warm.standby import _can_raise_priority
 
     if not _can_raise_priority():
         pytest.skip("standbys wait at SCHED_IDLE only with CAP_SYS_NICE (run as root)")

@@ -131,9 +131,9 @@ class ProgressTable:
         self._ever: set[int] = set()  # ranks that showed progress in any attempt
         self.expected: frozenset[int] = frozenset()  # showed it in an earlier attempt
         self.attempt = 0
-        self.listener: ProgressListener | None = None
-        # also called after a rank's first progress of an attempt (no I/O: they set events)
-        self.listeners: list[Callable[[], None]] = []
+        # called with (attempt, local rank, time) at a rank's first progress of an attempt
+        # (no I/O: the goodput recorder, the warm pool's wait for every rank)
+        self.listeners: list[ProgressListener] = []
 
     def reset(self, attempt: int) -> None:
         self.attempt = attempt
@@ -157,10 +157,8 @@ class ProgressTable:
     def _shown(self, local_rank: int, now: float) -> None:
         self._first[local_rank] = now
         self._ever.add(local_rank)
-        if self.listener is not None:
-            self.listener(self.attempt, local_rank, now)
         for listener in list(self.listeners):
-            listener()
+            listener(self.attempt, local_rank, now)
 
     def count(self) -> int:
         """How many ranks of the current attempt have shown progress (of any kind)."""

@@ -159,7 +159,10 @@ class WorkerUnhealthy(msgspec.Struct, frozen=True):
 
 
 class RemoteFailure(msgspec.Struct, frozen=True):
-    """Another node failed or restarted the job (multi-node)."""
+    """Another node failed or restarted the job (multi-node).
+
+    Not constructed yet: the healing work (issue 28) posts it for the consequences here
+    of a failure on another node; its edges below are kept and tested for that."""
 
     message: str
     at: float
@@ -167,6 +170,7 @@ class RemoteFailure(msgspec.Struct, frozen=True):
 
 class MembershipChanged(msgspec.Struct, frozen=True):
     reason: str
+    attempt: int | None = None  # the attempt whose round it outdates (None: any)
 
 
 class ShutdownRequested(msgspec.Struct, frozen=True):
@@ -284,6 +288,37 @@ class InvalidTransition(Exception):
         super().__init__(f"no transition from {state.phase.value} on {type(event).__name__}")
         self.state = state
         self.event = event
+
+
+class Verdict(enum.Enum):
+    """What the run loop does with one event in one state."""
+
+    EDGE = "edge"  # ``transition`` has an edge for it
+    STALE = "stale"  # an earlier attempt's: logged, counted and dropped
+    ERROR = "error"  # the current attempt's, with no edge: ``InvalidTransition``
+
+
+# events that belong to one attempt: once another attempt runs, they are stale
+AttemptEvent = WorkerExited | DeadlineExpired | WorkerUnhealthy | MembershipChanged
+
+
+def is_stale(state: State, event: Event) -> bool:
+    """Whether ``event`` belongs to an attempt before the current one. ``GroupLaunched``
+    and ``LaunchFailed`` carry the attempt being started and are never stale."""
+    if not isinstance(event, AttemptEvent):
+        return False
+    return event.attempt is not None and event.attempt != state.attempt
+
+
+def classify(state: State, event: Event, policy: RestartPolicy) -> Verdict:
+    """Edge, stale drop or error: what the controller will do with ``event``."""
+    if is_stale(state, event):
+        return Verdict.STALE
+    try:
+        transition(state, event, policy)
+    except InvalidTransition:
+        return Verdict.ERROR
+    return Verdict.EDGE
 
 
 def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State, Decision]:

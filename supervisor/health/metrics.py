@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import Enum as EnumMetric
@@ -31,6 +31,9 @@ from supervisor.core import health
 from supervisor.core import state as sm
 from supervisor.core.goodput import CAUSES, Ledger, totals
 from supervisor.core.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from supervisor.workers.spawn import Start
 
 NAMESPACE = "elastic_supervisor"
 
@@ -232,11 +235,11 @@ class Metrics:
     def on_launch(self, attempt: object) -> None:
         """Count warm starts and standbys that could not be used (controller ``Observer``)."""
         for worker in getattr(attempt, "workers", ()):
-            extra = getattr(worker, "extra", {})
-            if extra.get("warm"):
+            start: Start = worker.start
+            if start.warm:
                 self.warm_starts.inc()
-            elif "cold_reason" in extra:
-                self.cold_fallbacks.labels(str(extra["cold_reason"])).inc()
+            elif start.cold_reason is not None:
+                self.cold_fallbacks.labels(start.cold_reason).inc()
 
     def on_stopped(self, attempt: object) -> None:
         """Controller ``Observer`` hook; gauges come from the snapshot instead."""

@@ -1,16 +1,21 @@
 """The rendezvous interface: how nodes agree on membership, ranks and the master address.
 
-A backend is created once per supervisor and used only by the controller and the
-scale-up poller task. ``static`` is the embedded default (no server); ``etcd`` uses etcd v3.
+A backend is created once per supervisor (``registry.make_rendezvous``) and used by the
+controller (rounds, the membership watch, the exit barrier); it declares what it can do
+in ``capabilities``. ``static`` is the embedded default (no server); ``etcd`` and
+``etcd-v2`` use etcd v3; ``c10d`` is etcd hosted by one supervisor.
 """
 
 from __future__ import annotations
 
 import socket
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 from anyio.abc import TaskStatus
+
+if TYPE_CHECKING:
+    from supervisor.rendezvous.etcd import EtcdRendezvous
 
 
 class RendezvousResult(msgspec.Struct, frozen=True):
@@ -54,11 +59,30 @@ class RendezvousClosed(RendezvousError):
     """The job was closed (succeeded or failed for good on some node)."""
 
 
+class Capabilities(msgspec.Struct, frozen=True):
+    """What a backend can do, declared by it (never inferred from its name)."""
+
+    membership_can_change: bool  # nodes may join or leave: another round may follow
+    coordinates_nodes: bool  # success and failure are agreed with the other nodes
+    job_status: bool  # keeps the job-wide status of every node (``status --rdzv-...``)
+
+
 class Rendezvous(Protocol):
     """What the controller needs from a rendezvous backend."""
 
     backend: str
     run_id: str
+    capabilities: Capabilities
+
+    def extra_pids(self) -> list[int]:
+        """Our children that belong to the backend (a c10d host's etcd): never swept as
+        strays when a worker group stops."""
+        ...
+
+    def etcd_service(self) -> EtcdRendezvous | None:
+        """The etcd rendezvous behind the backend (its outages, metrics, job-wide status),
+        or None for a backend without etcd."""
+        ...
 
     async def connect(self) -> None:
         """Reach the service once, so a bad endpoint fails before anything starts."""

@@ -49,6 +49,7 @@ from anyio.abc import TaskStatus
 
 from supervisor.rendezvous.base import (
     BarrierResult,
+    Capabilities,
     RendezvousClosed,
     RendezvousError,
     RendezvousResult,
@@ -363,6 +364,8 @@ class C10dRendezvous:
     rendezvous against it. Errors that come from losing the host say so."""
 
     backend = "c10d"
+    capabilities = Capabilities(membership_can_change=True, coordinates_nodes=True,
+                                job_status=True)
 
     def __init__(self, config: C10dConfig, runtime_dir: Path,
                  etcd_binary: str | None = None) -> None:
@@ -379,6 +382,13 @@ class C10dRendezvous:
     def server_pid(self) -> int | None:
         """The hosted etcd's pid (None on a client node): not a stray to sweep."""
         return self.server.pid if self.server is not None else None
+
+    def extra_pids(self) -> list[int]:
+        pid = self.server_pid
+        return [pid] if pid is not None else []
+
+    def etcd_service(self) -> EtcdRendezvous:
+        return self.inner
 
     async def connect(self) -> None:
         """Host etcd if this node is the host, then take a lease (retried until

@@ -34,6 +34,7 @@ from anyio.abc import TaskStatus
 
 from supervisor.rendezvous.base import (
     BarrierResult,
+    Capabilities,
     RendezvousClosed,
     RendezvousError,
     RendezvousResult,
@@ -101,6 +102,8 @@ class EtcdRendezvous:
     client's live counters (outages, requests, conflicts, watch events)."""
 
     backend = "etcd"
+    capabilities = Capabilities(membership_can_change=True, coordinates_nodes=True,
+                                job_status=True)
 
     def __init__(self, config: EtcdRendezvousConfig, *, on_event: EventHook | None = None
                  ) -> None:
@@ -173,6 +176,12 @@ class EtcdRendezvous:
                 "outage_limit": self.config.outage_limit}
 
     # lifecycle
+
+    def extra_pids(self) -> list[int]:
+        return []
+
+    def etcd_service(self) -> EtcdRendezvous:
+        return self
 
     async def connect(self) -> None:
         """Take this node's lease (once). An unreachable etcd is retried until

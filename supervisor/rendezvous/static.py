@@ -11,7 +11,7 @@ from __future__ import annotations
 import anyio
 from anyio.abc import TaskStatus
 
-from supervisor.rendezvous.base import BarrierResult, RendezvousResult, free_port
+from supervisor.rendezvous.base import BarrierResult, Capabilities, RendezvousResult, free_port
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -20,6 +20,9 @@ class StaticRendezvous:
     """A rendezvous that completes at once with a layout fixed by the flags."""
 
     backend = "static"
+    # a fixed set of nodes, each on its own: nothing is agreed with the others
+    capabilities = Capabilities(membership_can_change=False, coordinates_nodes=False,
+                                job_status=False)
 
     def __init__(
         self,
@@ -43,6 +46,12 @@ class StaticRendezvous:
         if self.nnodes == 1:
             return free_port(self.master_addr)
         return DEFAULT_MASTER_PORT
+
+    def extra_pids(self) -> list[int]:
+        return []
+
+    def etcd_service(self) -> None:
+        return None
 
     async def connect(self) -> None:
         return None

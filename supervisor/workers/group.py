@@ -1,20 +1,17 @@
 """The worker group: one attempt's processes, from launch to the last reap.
 
-``WorkerGroup`` owns everything that touches an attempt's processes: the attempt's
-directory, each rank's environment and output, the cold spawn or the hand-off to the rank's
-standby, a monitor per worker that reports its exit, the standbys for the next attempt,
-and the stop (TERM, grace, KILL, sweep, reap). It reports what happens as events into the
-controller's inbox (``post``) and never calls back into the controller, which stays what
-its docstring says: inbox -> pure state machine -> decisions carried out.
+``WorkerGroup`` owns an attempt's life: its directory, each rank's environment and output,
+the start of each rank (through the warm pool's standby, else a cold spawn), a monitor per
+worker that reports its exit, and the stop (TERM, grace, KILL, sweep, reap). Standbys are
+the pool's (``warm.pool``). It reports what happens as events into the controller's inbox
+(``post``) and never calls back into the controller.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
@@ -23,29 +20,20 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import anyio.to_thread
+import msgspec
 
 from supervisor.config import Settings
 from supervisor.core import state as sm
-from supervisor.core.envs import GroupLayout, interpreter, worker_argv, worker_env
+from supervisor.core.envs import GroupLayout, worker_argv, worker_env
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import RendezvousResult
-from supervisor.workers import autopreload
 from supervisor.workers.attemptdir import create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.output import OutputPlan
 from supervisor.workers.spawn import DeathSignal, Worker, WorkerSpec, spawn_worker, wait_exit
-from supervisor.workers.standby import (
-    PER_ATTEMPT_ENV,
-    Standby,
-    StandbyOptions,
-    discard_all,
-    env_mismatch,
-    spawn_standby,
-    standby_env,
-)
 from supervisor.workers.stop import stop_group
+from supervisor.workers.warm.pool import NullPool, Pool
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +42,18 @@ CommandFor = Callable[[int, int, Path], list[str]]
 # local_rank -> CPUs to bind the worker to, or None
 CpusFor = Callable[[int], tuple[int, ...] | None]
 Post = Callable[[sm.Event], None]
-TAINT_RETRIES = 3  # new standbys per rank after auto preloads that read a per-attempt variable
-STORE_WAIT = 5.0  # seconds a warm rank waits for rank 0's store before it dials anyway
-STAGGER = 0.03  # s at most between two standbys' starts (see ``start_standbys``)
+
+
+class WorkerFailure(msgspec.Struct, frozen=True):
+    """A worker that failed before its group began to stop (the run's typed result)."""
+
+    local_rank: int
+    global_rank: int
+    pid: int
+    exit_code: int | None
+    signal: str | None  # its name (SIGKILL), when it died by one
+    message: str
+    at_wall: float
 
 
 class AttemptPrepError(OSError):
@@ -75,42 +72,12 @@ class Attempt:
     workers: list[Worker] = field(default_factory=list)
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     kill_now: anyio.Event = field(default_factory=anyio.Event)
-    stopping: bool = False  # set when its stop begins: no new standbys from then on
+    stopping: bool = False  # set when its stop is decided: no new standbys from then on
+    # workers that failed before the stop was decided, in the order their exits were seen
+    failures: list[WorkerFailure] = field(default_factory=list)
 
     def error_file(self, local_rank: int) -> Path:
         return self.directory / str(local_rank) / "error.json"
-
-
-@dataclass
-class _Wanted:
-    """One standby to start: its rank, environment, cwd, CPUs; what to learn from."""
-
-    rank: int
-    env: dict[str, str]
-    cwd: str | None
-    cpus: tuple[int, ...] | None
-    rank_dir: Path
-    pid: int  # the rank's current worker (its imports are what ``auto`` preloads)
-    warm: bool
-    exclude: frozenset[str]  # packages ``auto`` must leave out (read a per-attempt var)
-
-
-@dataclass
-class StandbyPlan:
-    """Standbys about to be started, one at a time; ``done`` once no more will be.
-
-    ``halt`` (a stop began) starts no further one and ends the pause between two."""
-
-    wanted: list[_Wanted]
-    done: anyio.Event
-    started: bool = False
-    halted: bool = False
-    pause: anyio.CancelScope | None = None
-
-    def halt(self) -> None:
-        self.halted = True
-        if self.pause is not None:
-            self.pause.cancel()
 
 
 class WorkerGroup:
@@ -127,6 +94,8 @@ class WorkerGroup:
         environ: Mapping[str, str],
         timer_file: str | None,
         post: Post,
+        death: DeathSignal,
+        pool: Pool | None = None,
         guardian: Guardian | None = None,
         sweep_adopted: bool = True,
         exempt_pids: Iterable[int] = (),
@@ -146,22 +115,10 @@ class WorkerGroup:
         self.exempt_pids = set(exempt_pids)
         self.command = command or settings_command(settings, self.environ)
         self.cpus = cpus or (lambda local_rank: None)
-        self.death = DeathSignal()
+        self.death = death
+        self.pool: Pool = pool if pool is not None else NullPool()
         self.attempt: Attempt | None = None
-        self.standbys: dict[int, Standby] = {}  # local rank -> its warm interpreter
-        explicit = tuple(m for m in settings.preload if m != "auto")
-        self.standby_options = StandbyOptions(preload=explicit, auto="auto" in settings.preload)
-        self.auto_names: dict[int, list[str]] = {}  # local rank -> its last worker's imports
-        self.auto_excluded: set[str] = set()  # packages that read a per-attempt variable
-        self._taint_retries: dict[int, int] = {}
-        self._cold: dict[int, str] = {}  # local rank -> why its standby went unused
-        self._pending_cold: dict[int, str] = {}  # the same, learned before the launch
-        self._python = self.environ.get("PYTHON_EXEC", sys.executable)
         self.dir_base = _next_attempt_index(log_root / run_id)
-        # standbys being started (a retry after a tainted auto preload adds one meanwhile)
-        self._plans: list[StandbyPlan] = []
-        # whether rank 0's store listened on MASTER_PORT in an earlier attempt (learned)
-        self.store_seen = False
 
     # ------------------------------------------------------------------ launch
     def launch(
@@ -193,17 +150,15 @@ class WorkerGroup:
         attempt = Attempt(number, created.index, created.path, rnd, layout)
         specs = self._prepare(attempt)  # raises AttemptPrepError: nothing was started
         self.attempt = attempt
-        self._cold, self._pending_cold = self._pending_cold, {}
+        self.pool.begin(attempt)
         failed_to_start: list[tuple[int, str]] = []
         for spec in specs:
             try:
-                worker = self._start(spec)
-                if spec.local_rank in self._cold:  # had a standby that could not take it
-                    worker.extra["cold_reason"] = self._cold[spec.local_rank]
-                attempt.workers.append(worker)
+                attempt.workers.append(self._start(spec))
             except OSError as exc:
                 logger.error("cannot start local rank %d: %s", spec.local_rank, exc)
                 failed_to_start.append((spec.local_rank, str(exc)))
+        self.pool.launched(attempt)
         return attempt, failed_to_start
 
     def _rank_env(self, attempt: Attempt, local_rank: int) -> dict[str, str]:
@@ -239,9 +194,9 @@ class WorkerGroup:
 
     def _start(self, spec: WorkerSpec) -> Worker:
         try:
-            worker = self._warm_start(spec)
+            worker = self.pool.take(spec)
             if worker is None:
-                worker = spawn_worker(spec, self.death)
+                worker = spawn_worker(spec, self.death, start=self.pool.cold_start(spec.local_rank))
                 if self.guardian is not None:
                     self.guardian.watch(worker.pid)
         finally:
@@ -249,250 +204,46 @@ class WorkerGroup:
         logger.debug("local rank %d started as pid %d", spec.local_rank, worker.pid)
         return worker
 
-    # ------------------------------------------------------------------ warm restarts
-    def restart_possible(self, restart_count: int) -> bool:
-        """Whether another attempt may follow this one (so standbys are worth their memory):
-        failure restarts left, or a backend whose membership can change."""
-        if self.settings.no_warm_restart:
-            return False
-        return self.settings.rdzv_backend != "static" or restart_count < self.settings.max_restarts
+    def shown_attempt(self, number: int) -> int:
+        """The attempt number users see, everywhere (summary, /status, events, metrics,
+        STATUS): K of its ``attempt_K`` directory, torchrun's layout. It counts from 0 and
+        continues after the directories an earlier run left under the same run id.
+        ``number`` is the state machine's launch count (1 for the first launch); before
+        the first launch this is the number the first attempt will get."""
+        return self.dir_base + max(number, 1) - 1
 
-    @property
-    def preloading(self) -> bool:
-        """Whether standbys import modules before they wait (``--preload``)."""
-        return bool(self.standby_options.preload) or self.standby_options.auto
-
-    def plan_standbys(self, attempt: Attempt) -> StandbyPlan:
-        """Which ranks get a standby for the next attempt (those whose command can run
-        warm and that have none). Marks the spawn as under way at once: a stop that
-        begins before ``start_standbys`` is done waits for it before it sweeps, or it
-        would take a new standby for debris."""
-        wanted = []
-        for worker in attempt.workers:
-            rank = worker.local_rank
-            if rank in self.standbys or not Standby.accepts(interpreter(self._python),
-                                                             worker.spec.argv):
-                continue
-            env = standby_env(self._rank_env(attempt, rank))
-            wanted.append(_Wanted(rank, env, worker.spec.cwd, worker.spec.cpus,
-                                  attempt.directory / str(rank), worker.pid,
-                                  bool(worker.extra.get("warm")),
-                                  frozenset(self.auto_excluded)))
-        plan = StandbyPlan(wanted, anyio.Event())
-        if wanted:
-            self._plans.append(plan)
-        else:
-            plan.done.set()
-        return plan
-
-    async def start_standbys(self, plan: StandbyPlan) -> None:
-        """Start the planned standbys one at a time: each once the one before it has
-        reported (started, and done preloading) or ``STAGGER`` s after it started.
-
-        Each spawn runs in a worker thread (the loop stays responsive). One at a time
-        because a new process, or thread, is not yet behind the workers in the kernel's
-        queue (EEVDF places it as eligible, however low its priority): eight started at
-        once on two CPUs took the CPU from our loop for tens of milliseconds per restart
-        (``/healthz`` p99 2 to 5 times higher during restarts), one at a time they
-        do not. A stop halts the plan and waits only for the spawn in flight."""
-        if not plan.wanted:
-            return
-        plan.started = True
-        async with anyio.create_task_group() as tg:
-            try:
-                for want in plan.wanted:
-                    if plan.halted:
-                        break
-                    standby = await anyio.to_thread.run_sync(self._spawn_standby, want)
-                    if standby is None:
-                        break
-                    self.standbys[standby.local_rank] = standby
-                    if self.guardian is not None:
-                        self.guardian.watch(standby.pid)
-                    logger.debug("standby for local rank %d started as pid %d",
-                                 standby.local_rank, standby.pid)
-                    reported = anyio.Event()
-                    tg.start_soon(self._watch_report, standby, reported)
-                    with anyio.move_on_after(STAGGER) as plan.pause:
-                        if not plan.halted:
-                            await reported.wait()
-                    plan.pause = None
-            finally:
-                plan.done.set()
-                if plan in self._plans:
-                    self._plans.remove(plan)
-
-    async def _watch_report(self, standby: Standby, reported: anyio.Event) -> None:
-        """Hear the standby's report the moment it comes: started (and preloaded), or
-        failed; drop a failed one now."""
-        began = time.monotonic()
-        try:
-            await anyio.wait_readable(standby.sock)
-        except (anyio.ClosedResourceError, OSError):
-            return  # handed over or discarded meanwhile
-        finally:
-            reported.set()
-        if not standby.preloading:
-            return
-        failure = standby.preload_failure()
-        if failure is None:
-            what = [*standby.preload, *(["auto"] if standby.auto_spec else [])]
-            logger.info("standby for local rank %d preloaded %s in %.2f s",
-                        standby.local_rank, ",".join(what), time.monotonic() - began)
-            if standby.skipped:
-                logger.debug("standby for local rank %d could not preload: %s",
-                             standby.local_rank, standby.skipped)
-            return
-        tainted = standby.tainted()
-        if tainted is None:
-            logger.warning("standby for local rank %d discarded, the rank will start cold: %s",
-                           standby.local_rank, failure)
-            self._pending_cold[standby.local_rank] = "preload_failed"
-        else:
-            logger.warning("--preload auto: %s; package %r is never preloaded in this run",
-                           failure, tainted)
-            self.auto_excluded.add(tainted)
-        if self.standbys.get(standby.local_rank) is standby:
-            del self.standbys[standby.local_rank]
-            standby.discard()
-            if self.guardian is not None:
-                self.guardian.forget(standby.pid)
-            attempt = self.attempt
-            retries = self._taint_retries.get(standby.local_rank, 0)
-            if tainted is not None and attempt is not None and not attempt.stopping \
-                    and retries < TAINT_RETRIES:
-                self._taint_retries[standby.local_rank] = retries + 1
-                await self.start_standbys(self.plan_standbys(attempt))  # without it now
-
-    def _spawn_standby(self, want: _Wanted) -> Standby | None:
-        """Start one standby (in a worker thread); None if it cannot be started."""
-        spec = self._auto_spec(want) if self.standby_options.auto else None
-        try:
-            return spawn_standby(
-                want.rank, self._python, want.env, self.death, cwd=want.cwd,
-                cpus=want.cpus, options=self.standby_options, auto_spec=spec,
-            )
-        except OSError as exc:
-            autopreload.remove_spec(spec)
-            logger.warning("cannot start a standby for local rank %d: %s", want.rank, exc)
-            return None
-
-    def _auto_spec(self, want: _Wanted) -> str | None:
-        """The ``auto`` list of a rank's next standby (in a worker thread: reads files)."""
-        names = autopreload.read_record(want.rank_dir) if want.warm else []
-        source = "its record"
-        if not names:
-            names, source = autopreload.mapped_packages(want.pid), "its mapped libraries"
-        if names:
-            self.auto_names[want.rank] = names
-            logger.debug("local rank %d: --preload auto learned %d module(s) from %s of "
-                         "pid %d: %s", want.rank, len(names), source, want.pid,
-                         ",".join(names[:8]) + ("..." if len(names) > 8 else ""))
-        names = self.auto_names.get(want.rank, [])
-        if not names:
-            return None
-        try:
-            return autopreload.write_spec(names, set(want.exclude))
-        except OSError as exc:
-            logger.warning("cannot write the preload list of local rank %d: %s", want.rank, exc)
-            return None
-
-    async def _standbys_in(self) -> None:
-        """Start no further standby; wait for the spawn in flight."""
-        plans = list(self._plans)
-        for plan in plans:
-            plan.halt()
-        for plan in plans:
-            if plan.started:
-                await plan.done.wait()
-            elif plan in self._plans:  # halted before it began: it will start nothing
-                self._plans.remove(plan)
-
-    def _warm_start(self, spec: WorkerSpec) -> Worker | None:
-        """Start the worker in its rank's standby; None if there is none or it cannot."""
-        standby = self.standbys.pop(spec.local_rank, None)
-        if standby is None:
-            return None
-        worker = None
-        cold = self._cold_reason(standby, spec)  # (metric label, log text) or None
-        if cold is None:
-            per_attempt = {k: spec.env[k] for k in PER_ATTEMPT_ENV if k in spec.env}
-            record = (str(Path(spec.env["TORCHELASTIC_ERROR_FILE"]).parent
-                          / autopreload.RECORD_NAME)
-                      if self.standby_options.auto else None)
-            # only a preloaded standby waits for rank 0's store: one that imports the
-            # framework itself would serialise that import behind rank 0's
-            store = self._await_store(spec) if standby.preloading else None
-            worker = standby.go(spec, per_attempt, store, record)
-        else:
-            logger.warning("local rank %d starts cold: %s", spec.local_rank, cold[1])
-        if worker is None:
-            self._cold[spec.local_rank] = cold[0] if cold is not None else "other"
-            standby.discard()
-            if self.guardian is not None:
-                self.guardian.forget(standby.pid)
-            return None
-        worker.extra["warm"] = True
-        return worker
-
-    def _await_store(self, spec: WorkerSpec) -> tuple[str, int, float] | None:
-        """For a preloaded warm rank other than 0 on rank 0's node, once the job is known
-        to use rank 0's store: where to wait for it before the user's code dials it.
-
-        torch's store client that dials before the server listens is refused and retries
-        after an exponential backoff (250-750 ms first), which is most of a warm
-        restart's ``init_process_group``; rank 0 is handed over first, and the others
-        start their ``init_process_group`` only once its store accepts connections (a
-        store of its own per attempt, as before: nothing is reused)."""
-        attempt = self.attempt
-        if not self.store_seen or attempt is None or attempt.layout.rank_offset != 0:
-            return None
-        if spec.global_rank == 0:
-            return None
-        return attempt.layout.master_addr, attempt.layout.master_port, STORE_WAIT
-
-    def learn_store(self, attempt: Attempt) -> None:
-        """Note whether rank 0 (if it runs here) has its store listening on MASTER_PORT
-        (only preloaded standbys use it)."""
-        if self.preloading and not self.store_seen and attempt.layout.rank_offset == 0:
-            self.store_seen = port_listening(attempt.layout.master_port)
-            if self.store_seen:
-                logger.debug("rank 0 hosts a store on port %d: warm ranks will wait for it",
-                             attempt.layout.master_port)
-
-    def _cold_reason(self, standby: Standby, spec: WorkerSpec) -> tuple[str, str] | None:
-        """Why the standby cannot take this worker, as (metric label, log text), or None."""
-        if not Standby.accepts(standby.prefix, spec.argv):
-            return "other", "its command cannot run in a standby"
-        changed = env_mismatch(standby.env, spec.env)
-        if changed is not None:
-            return ("env_changed",
-                    f"environment variable {changed} changed since its standby started")
-        failure = standby.preload_failure()
-        if failure is not None:
-            return "preload_failed", failure
-        return None
-
-    def discard_standbys(self) -> None:
-        for pid in discard_all(self.standbys):
-            if self.guardian is not None:
-                self.guardian.forget(pid)
+    def attempt_dir(self, number: int) -> Path:
+        """The directory of the attempt with state machine number ``number``."""
+        return self.log_root / self.run_id / f"attempt_{self.shown_attempt(number)}"
 
     def exempt(self) -> set[int]:
-        """Our children a group's sweep must not kill: the guardian and the standbys."""
-        return self.exempt_pids | {s.pid for s in self.standbys.values()}
+        """Our children a group's sweep must not kill: the guardian, the rendezvous's
+        children and the standbys."""
+        return self.exempt_pids | self.pool.pids()
+
+    def stopping(self, attempt: Attempt | None) -> None:
+        """A stop of ``attempt`` was decided: from now on no standby is planned for it."""
+        if attempt is not None:
+            attempt.stopping = True
+
+    def close(self) -> None:
+        """Kill the standbys (the run is over)."""
+        self.pool.close()
 
     # ------------------------------------------------------------------ monitors
     async def supervise(
         self, attempt: Attempt, *also: Callable[[Attempt], Coroutine[Any, Any, None]]
     ) -> None:
-        """The attempt's worker monitors (and ``also`` tasks); cancelled when it stops."""
-        with attempt.scope:
-            async with anyio.create_task_group() as tg:
-                for worker in attempt.workers:
-                    tg.start_soon(self._monitor, attempt, worker)
-                for task in also:
-                    tg.start_soon(task, attempt)
+        """The attempt's worker monitors (and ``also`` tasks), cancelled when it stops;
+        beside them the pool's standbys for the next attempt (they outlive this one)."""
+        async with anyio.create_task_group() as outer:
+            outer.start_soon(self.pool.run, attempt)
+            with attempt.scope:
+                async with anyio.create_task_group() as tg:
+                    for worker in attempt.workers:
+                        tg.start_soon(self._monitor, attempt, worker)
+                    for task in also:
+                        tg.start_soon(task, attempt)
 
     async def _monitor(self, attempt: Attempt, worker: Worker) -> None:
         status = await wait_exit(worker)
@@ -501,14 +252,15 @@ class WorkerGroup:
         if not status.ok:
             report = read_error_file(attempt.error_file(worker.local_rank))
             message = report.summary if report else ""
-            if report and report.traceback:
-                worker.extra["traceback"] = report.traceback
+        signame = sm.signal_name(status.signal) if status.signal else None
         self.events.emit(
             "worker_exited", local_rank=worker.local_rank, rank=worker.spec.global_rank,
-            pid=worker.pid, exit_code=status.exit_code,
-            signal=sm.signal_name(status.signal) if status.signal else None,
-            message=message or None,
+            pid=worker.pid, exit_code=status.exit_code, signal=signame, message=message or None,
         )
+        if not status.ok and not attempt.stopping:
+            attempt.failures.append(WorkerFailure(
+                worker.local_rank, worker.spec.global_rank, worker.pid, status.exit_code,
+                signame, message, time.time()))
         self.post(
             sm.WorkerExited(
                 attempt.number, worker.local_rank, worker.pid, status.exit_code,
@@ -519,12 +271,10 @@ class WorkerGroup:
     # ------------------------------------------------------------------ stop
     async def stop(self, attempt: Attempt | None, signum: int) -> None:
         """Stop the attempt's workers: ``signum``, the grace, SIGKILL, sweep, reap."""
-        if attempt is not None:
-            attempt.stopping = True
-        await self._standbys_in()
+        self.stopping(attempt)
+        await self.pool.halt(attempt)
         if attempt is None or not attempt.workers:
             return
-        self.learn_store(attempt)
         await stop_group(
             attempt.workers,
             signum=signum,
@@ -554,7 +304,7 @@ class WorkerGroup:
         if attempt is None or not unreaped:
             return
         with anyio.CancelScope(shield=True):
-            await self._standbys_in()
+            await self.pool.halt()
             async with anyio.create_task_group() as tg:
                 for worker in unreaped:
                     if not worker.exited.is_set():  # its monitor was cancelled
@@ -566,29 +316,6 @@ class WorkerGroup:
                 )
                 tg.cancel_scope.cancel()
             self._forget_reaped(attempt)
-
-
-def port_listening(port: int) -> bool:
-    """Whether something of this host holds ``port`` (rank 0's store listening on it).
-
-    A bind test, not a read of ``/proc/net/tcp``: that table holds every connection of the
-    host (thousands under a busy health endpoint) and took milliseconds of the loop at
-    every stop. Binding the wildcard address (with ``SO_REUSEADDR``, so connections in
-    TIME_WAIT do not count) fails while any socket listens on the port."""
-    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-        try:
-            probe = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            continue  # no IPv6 here
-        try:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((address, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return True
-        finally:
-            probe.close()
-    return False
 
 
 async def _mark_exited(worker: Worker) -> None:

@@ -13,34 +13,8 @@ A stream that is neither redirected nor teed inherits the console directly, as t
 does (no prefix, no overhead), or goes to ``/dev/null`` when the ranks filter hides it.
 See ``logs.py`` for the rules and the line splitting.
 
-Design choices, and why:
-
-- **Read in bursts.** After each burst a pump pauses ``COALESCE`` seconds before it waits
-  for the pipe again; pipes are enlarged to ``PIPE_SIZE`` so the worker keeps writing
-  meanwhile. A worker printing a line at a time costs at most ~1/COALESCE wakeups per
-  second instead of one per ``write``; the first line after a quiet spell still shows at
-  once. Exits are seen through pidfds, never through pipes, so this delays nothing else.
-- **One console writer at a time, whole blocks.** Every pump renders a block of complete
-  lines and writes it with one ``write``; if the console takes only part, that pump keeps
-  the console until its block is out, so lines of different ranks never mix.
-- **Backpressure instead of buffering.** The console is written without blocking (a
-  private non-blocking open file description for pipes and terminals; ``MSG_DONTWAIT``
-  for sockets); while it is full the pump waits and stops reading its pipe, so the worker
-  blocks in ``write`` once the pipe is full. Memory stays bounded (a chunk and a line
-  limit per pump) and the event loop never stalls. Log files are still written, in order,
-  up to the point the worker is held. A regular file as console is written directly (it
-  never reports "full" and its file offset is shared with the supervisor's own logging).
-- **Rotation.** ``reopen()`` reopens every open log file at its path (logrotate's
-  ``postrotate``: move the file, SIGHUP the daemon); the pipes and the workers stay as
-  they are, so nothing is lost or duplicated.
-- **Draining.** ``drain(dir_index)`` waits (bounded) until an attempt's pipes reach EOF
-  and everything is written; a descendant that still holds a pipe cannot hold it up (its
-  later writes get EPIPE), and a console that never drains cannot keep what the pipe
-  still holds out of the log file.
-- **Limits.** A console line longer than ``LINE_LIMIT`` is cut and the rest marked
-  (``[cont] ``); a duplicate filter does not match across such a cut. If the console
-  takes a block only in part, a line the supervisor itself logs to the same stderr at
-  that moment can land inside it (its logging writes are blocking and not ours to order).
+Why it reads in bursts, writes whole blocks, holds a worker back instead of buffering,
+and how rotation, draining and the line limit work: docs/design.md ("Worker output").
 """
 
 from __future__ import annotations
@@ -417,8 +391,9 @@ class OutputPlan:
     """Decides each rank's stdout/stderr and runs the pumps of the pipes it hands out.
 
     Lifecycle: the composition root starts ``run`` with ``tg.start`` before any worker;
-    the controller calls ``open_rank`` -> spawn -> ``after_spawn`` for each worker and
-    ``drain(dir_index)`` once an attempt's workers are dead; SIGHUP calls ``reopen``.
+    the worker group calls ``open_rank`` -> spawn -> ``after_spawn`` for each worker and
+    ``drain(dir_index)`` once an attempt's workers are dead (the controller too, before
+    the exit barrier); SIGHUP calls ``reopen``.
     """
 
     def __init__(

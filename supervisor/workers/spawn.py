@@ -49,6 +49,15 @@ class ExitStatus(msgspec.Struct, frozen=True):
         return self.exit_code == 0
 
 
+@dataclass(frozen=True)
+class Start:
+    """How a worker started: in its rank's standby (warm) or cold, and for a cold one
+    whose rank had a standby, why that could not take it (a metric label)."""
+
+    warm: bool = False
+    cold_reason: str | None = None
+
+
 @dataclass(eq=False)
 class Worker:
     """A started worker. Only the monitor and the stopper touch it."""
@@ -61,7 +70,7 @@ class Worker:
     status: ExitStatus | None = None
     reaped: bool = False
     exited: anyio.Event = field(default_factory=anyio.Event)  # set by the worker's monitor
-    extra: dict[str, object] = field(default_factory=dict)
+    start: Start = Start()
 
     @property
     def pid(self) -> int:
@@ -207,11 +216,14 @@ _PDEATHSIG_SHIM = (
 )
 
 
-def spawn_worker(spec: WorkerSpec, death: DeathSignal, *, stdin: int | None = None) -> Worker:
+def spawn_worker(
+    spec: WorkerSpec, death: DeathSignal, *, stdin: int | None = None, start: Start = Start()
+) -> Worker:
     """Start one worker in its own session. Raises OSError if it cannot be started.
 
     ``stdin``: a descriptor for the worker's stdin (a standby's control socket); by
-    default ``/dev/null``, as torchrun gives its workers."""
+    default ``/dev/null``, as torchrun gives its workers. ``start``: how it started (a
+    cold start, and why if its rank's standby could not take it)."""
     argv = [*death.prefix(spec.cpus), *spec.argv]
     popen = subprocess.Popen(
         argv,
@@ -231,7 +243,7 @@ def spawn_worker(spec: WorkerSpec, death: DeathSignal, *, stdin: int | None = No
         raise
     if spec.cpus and not death.taskset:
         _set_affinity(popen.pid, spec.cpus)
-    return Worker(spec, popen, pidfd, time.monotonic(), time.time())
+    return Worker(spec, popen, pidfd, time.monotonic(), time.time(), start=start)
 
 
 def _set_affinity(pid: int, cpus: tuple[int, ...]) -> None:

@@ -1,0 +1,494 @@
+"""The warm pool: which local ranks get a standby for the next attempt, and when.
+
+``WarmPool`` decides and does everything about standbys: whether another attempt may
+follow (so standbys are worth their memory), when to start them (at once, or with
+``--preload`` once the ranks resumed or ``--preload-after`` passed, plus the ``auto``
+settle), one at a time, hearing each one's report, replacing one an ``auto`` preload
+tainted, and learning whether rank 0 hosts a store the warm ranks should wait for. The
+worker group asks it for a rank's worker (``take``) and tells it when an attempt begins,
+was launched and stops; ``NullPool`` is the pool of ``--no-warm-restart`` (and of tests
+of the group alone). The rules are in docs/design.md ("Warm restarts").
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import anyio
+import anyio.to_thread
+
+from supervisor.config import Settings
+from supervisor.core.envs import interpreter
+from supervisor.core.snapshot import ProgressTable
+from supervisor.workers.guardian import Guardian
+from supervisor.workers.spawn import DeathSignal, Start, Worker, WorkerSpec
+from supervisor.workers.warm import autopreload
+from supervisor.workers.warm.standby import (
+    PER_ATTEMPT_ENV,
+    Standby,
+    StandbyOptions,
+    discard_all,
+    env_mismatch,
+    spawn_standby,
+    standby_env,
+)
+
+if TYPE_CHECKING:
+    from supervisor.workers.group import Attempt
+
+logger = logging.getLogger(__name__)
+
+TAINT_RETRIES = 3  # new standbys per rank after auto preloads that read a per-attempt variable
+STORE_WAIT = 5.0  # seconds a warm rank waits for rank 0's store before it dials anyway
+STAGGER = 0.03  # s at most between two standbys' starts (see ``WarmPool._start``)
+AUTO_SETTLE = 5.5  # s after a launch: a warm worker has recorded its imports at 1 and 5 s
+
+
+class Pool(Protocol):
+    """What the worker group needs of a pool of standbys."""
+
+    def begin(self, attempt: Attempt) -> None:
+        """``attempt`` is about to start its ranks (``take`` serves it)."""
+
+    def take(self, spec: WorkerSpec) -> Worker | None:
+        """The rank's worker started in its standby; None: start it cold."""
+
+    def cold_start(self, local_rank: int) -> Start:
+        """How a rank ``take`` gave no worker for starts (cold, and why if it had one)."""
+
+    def launched(self, attempt: Attempt) -> None:
+        """``attempt``'s ranks are started (standbys without preloading are planned now)."""
+
+    async def run(self, attempt: Attempt) -> None:
+        """Start the standbys for the attempt after ``attempt``, when due."""
+
+    async def halt(self, attempt: Attempt | None = None) -> None:
+        """Start no further standby; wait for the spawn in flight. ``attempt``: the one
+        stopping (what it showed of rank 0's store is learned)."""
+
+    def pids(self) -> set[int]:
+        """The standbys' pids (a group's sweep must not kill them)."""
+
+    def close(self) -> None:
+        """Kill and reap every standby."""
+
+
+class NullPool:
+    """No standbys: every worker starts cold (``--no-warm-restart``)."""
+
+    def begin(self, attempt: Attempt) -> None:
+        return None
+
+    def take(self, spec: WorkerSpec) -> Worker | None:
+        return None
+
+    def cold_start(self, local_rank: int) -> Start:
+        return Start()
+
+    def launched(self, attempt: Attempt) -> None:
+        return None
+
+    async def run(self, attempt: Attempt) -> None:
+        return None
+
+    async def halt(self, attempt: Attempt | None = None) -> None:
+        return None
+
+    def pids(self) -> set[int]:
+        return set()
+
+    def close(self) -> None:
+        return None
+
+
+@dataclass
+class _Wanted:
+    """One standby to start: its rank, environment, cwd, CPUs; what to learn from."""
+
+    rank: int
+    env: dict[str, str]
+    cwd: str | None
+    cpus: tuple[int, ...] | None
+    rank_dir: Path
+    pid: int  # the rank's current worker (its imports are what ``auto`` preloads)
+    warm: bool
+    exclude: frozenset[str]  # packages ``auto`` must leave out (read a per-attempt var)
+
+
+@dataclass
+class StandbyPlan:
+    """Standbys about to be started, one at a time; ``done`` once no more will be.
+
+    ``halt`` (a stop began) starts no further one and ends the pause between two."""
+
+    wanted: list[_Wanted]
+    done: anyio.Event
+    started: bool = False
+    halted: bool = False
+    pause: anyio.CancelScope | None = None
+
+    def halt(self) -> None:
+        self.halted = True
+        if self.pause is not None:
+            self.pause.cancel()
+
+
+class WarmPool:
+    """The standbys of one supervisor's local ranks, for the attempt after the current one."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        python: str,
+        death: DeathSignal,
+        progress: ProgressTable,
+        membership_can_change: bool,
+        guardian: Guardian | None = None,
+    ) -> None:
+        self.settings = settings
+        self.python = python
+        self.death = death
+        self.progress = progress
+        self.membership_can_change = membership_can_change
+        self.guardian = guardian
+        self.standbys: dict[int, Standby] = {}  # local rank -> its warm interpreter
+        explicit = tuple(m for m in settings.preload if m != "auto")
+        self.options = StandbyOptions(preload=explicit, auto="auto" in settings.preload)
+        self.auto_names: dict[int, list[str]] = {}  # local rank -> its last worker's imports
+        self.auto_excluded: set[str] = set()  # packages that read a per-attempt variable
+        self._taint_retries: dict[int, int] = {}
+        self._cold: dict[int, str] = {}  # local rank -> why its standby went unused
+        self._pending_cold: dict[int, str] = {}  # the same, learned before the launch
+        self._attempt: Attempt | None = None  # the one being started, then running
+        self._due: StandbyPlan | None = None  # planned at the launch, started by ``run``
+        # standbys being started (a retry after a tainted auto preload adds one meanwhile)
+        self._plans: list[StandbyPlan] = []
+        # whether rank 0's store listened on MASTER_PORT in an earlier attempt (learned)
+        self.store_seen = False
+
+    @property
+    def preloading(self) -> bool:
+        """Whether standbys import modules before they wait (``--preload``)."""
+        return bool(self.options.preload) or self.options.auto
+
+    def restart_possible(self, restart_count: int) -> bool:
+        """Whether another attempt may follow this one (so standbys are worth their memory):
+        failure restarts left, or a backend whose membership can change."""
+        return self.membership_can_change or restart_count < self.settings.max_restarts
+
+    # ------------------------------------------------------------------ the attempt
+    def begin(self, attempt: Attempt) -> None:
+        self._attempt = attempt
+        self._cold, self._pending_cold = self._pending_cold, {}
+
+    def launched(self, attempt: Attempt) -> None:
+        """Without preloading, plan the standbys now, before any event of this attempt is
+        handled: a stop that begins before they are started waits for the spawn."""
+        self._due = None
+        if self.restart_possible(attempt.layout.restart_count) and not self.preloading:
+            self._due = self._plan(attempt)
+
+    async def run(self, attempt: Attempt) -> None:
+        due, self._due = self._due, None
+        if not self.restart_possible(attempt.layout.restart_count):
+            return
+        if due is not None:
+            await self._start(due)
+        else:
+            await self._preload_when_resumed(attempt)
+
+    async def _preload_when_resumed(self, attempt: Attempt) -> None:
+        """Preloading standbys for the next attempt, once this one has resumed.
+
+        A standby that imports a framework costs seconds of CPU: started at once, it would
+        compete with the very ranks that are resuming. So they start when every rank has
+        shown progress in this attempt, or ``preload_after`` seconds after the launch for
+        a job that shows none (their imports run at idle CPU priority in any case)."""
+        launched = time.monotonic()
+        with anyio.move_on_after(self.settings.preload_after):
+            await self._all_progressed(attempt)
+        if self.options.auto:  # the workers' second record of their imports
+            await anyio.sleep(max(0.0, launched + AUTO_SETTLE - time.monotonic()))
+        if self._attempt is attempt and _running(attempt):
+            self._learn_store(attempt)
+            await self._start(self._plan(attempt))
+
+    async def _all_progressed(self, attempt: Attempt) -> None:
+        """Return once every local rank of ``attempt`` has shown progress."""
+        done = anyio.Event()
+        ranks = attempt.layout.local_world_size
+
+        def check(*_shown: object) -> None:
+            if self.progress.attempt == attempt.number and self.progress.count() >= ranks:
+                done.set()
+
+        self.progress.listeners.append(check)
+        try:
+            check()
+            await done.wait()
+        finally:
+            self.progress.listeners.remove(check)
+
+    # ------------------------------------------------------------------ starting standbys
+    def _plan(self, attempt: Attempt) -> StandbyPlan:
+        """Which ranks get a standby for the next attempt (those whose command can run
+        warm and that have none). Marks the spawn as under way at once: a stop that
+        begins before ``_start`` is done waits for it before it sweeps, or it would take
+        a new standby for debris."""
+        wanted = []
+        for worker in attempt.workers:
+            rank = worker.local_rank
+            if rank in self.standbys or not Standby.accepts(interpreter(self.python),
+                                                             worker.spec.argv):
+                continue
+            wanted.append(_Wanted(rank, standby_env(worker.spec.env), worker.spec.cwd,
+                                  worker.spec.cpus, attempt.directory / str(rank),
+                                  worker.pid, worker.start.warm,
+                                  frozenset(self.auto_excluded)))
+        plan = StandbyPlan(wanted, anyio.Event())
+        if wanted:
+            self._plans.append(plan)
+        else:
+            plan.done.set()
+        return plan
+
+    async def _start(self, plan: StandbyPlan) -> None:
+        """Start the planned standbys one at a time: each once the one before it has
+        reported (started, and done preloading) or ``STAGGER`` s after it started.
+
+        Each spawn runs in a worker thread (the loop stays responsive). One at a time
+        because a new process, or thread, is not yet behind the workers in the kernel's
+        queue (EEVDF places it as eligible, however low its priority): eight started at
+        once on two CPUs took the CPU from our loop for tens of milliseconds per restart
+        (``/healthz`` p99 2 to 5 times higher during restarts), one at a time they
+        do not. A stop halts the plan and waits only for the spawn in flight."""
+        if not plan.wanted:
+            return
+        plan.started = True
+        async with anyio.create_task_group() as tg:
+            try:
+                for want in plan.wanted:
+                    if plan.halted:
+                        break
+                    standby = await anyio.to_thread.run_sync(self._spawn, want)
+                    if standby is None:
+                        break
+                    self.standbys[standby.local_rank] = standby
+                    if self.guardian is not None:
+                        self.guardian.watch(standby.pid)
+                    logger.debug("standby for local rank %d started as pid %d",
+                                 standby.local_rank, standby.pid)
+                    reported = anyio.Event()
+                    tg.start_soon(self._watch_report, standby, reported)
+                    with anyio.move_on_after(STAGGER) as plan.pause:
+                        if not plan.halted:
+                            await reported.wait()
+                    plan.pause = None
+            finally:
+                plan.done.set()
+                if plan in self._plans:
+                    self._plans.remove(plan)
+
+    async def _watch_report(self, standby: Standby, reported: anyio.Event) -> None:
+        """Hear the standby's report the moment it comes: started (and preloaded), or
+        failed; drop a failed one now."""
+        began = time.monotonic()
+        try:
+            await anyio.wait_readable(standby.sock)
+        except (anyio.ClosedResourceError, OSError):
+            return  # handed over or discarded meanwhile
+        finally:
+            reported.set()
+        if not standby.preloading:
+            return
+        failure = standby.preload_failure()
+        if failure is None:
+            what = [*standby.preload, *(["auto"] if standby.auto_spec else [])]
+            logger.info("standby for local rank %d preloaded %s in %.2f s",
+                        standby.local_rank, ",".join(what), time.monotonic() - began)
+            if standby.skipped:
+                logger.debug("standby for local rank %d could not preload: %s",
+                             standby.local_rank, standby.skipped)
+            return
+        tainted = standby.tainted()
+        if tainted is None:
+            logger.warning("standby for local rank %d discarded, the rank will start cold: %s",
+                           standby.local_rank, failure)
+            self._pending_cold[standby.local_rank] = "preload_failed"
+        else:
+            logger.warning("--preload auto: %s; package %r is never preloaded in this run",
+                           failure, tainted)
+            self.auto_excluded.add(tainted)
+        if self.standbys.get(standby.local_rank) is standby:
+            del self.standbys[standby.local_rank]
+            self._discard(standby)
+            await self._retry_tainted(standby.local_rank, tainted)
+
+    async def _retry_tainted(self, rank: int, tainted: str | None) -> None:
+        """A new standby for a rank whose auto preload was tainted (without that package)."""
+        attempt = self._attempt
+        retries = self._taint_retries.get(rank, 0)
+        if tainted is not None and attempt is not None and not attempt.stopping \
+                and retries < TAINT_RETRIES:
+            self._taint_retries[rank] = retries + 1
+            await self._start(self._plan(attempt))  # without it now
+
+    def _spawn(self, want: _Wanted) -> Standby | None:
+        """Start one standby (in a worker thread); None if it cannot be started."""
+        spec = self._auto_spec(want) if self.options.auto else None
+        try:
+            return spawn_standby(
+                want.rank, self.python, want.env, self.death, cwd=want.cwd,
+                cpus=want.cpus, options=self.options, auto_spec=spec,
+            )
+        except OSError as exc:
+            autopreload.remove_spec(spec)
+            logger.warning("cannot start a standby for local rank %d: %s", want.rank, exc)
+            return None
+
+    def _auto_spec(self, want: _Wanted) -> str | None:
+        """The ``auto`` list of a rank's next standby (in a worker thread: reads files)."""
+        names = autopreload.read_record(want.rank_dir) if want.warm else []
+        source = "its record"
+        if not names:
+            names, source = autopreload.mapped_packages(want.pid), "its mapped libraries"
+        if names:
+            self.auto_names[want.rank] = names
+            logger.debug("local rank %d: --preload auto learned %d module(s) from %s of "
+                         "pid %d: %s", want.rank, len(names), source, want.pid,
+                         ",".join(names[:8]) + ("..." if len(names) > 8 else ""))
+        names = self.auto_names.get(want.rank, [])
+        if not names:
+            return None
+        try:
+            return autopreload.write_spec(names, set(want.exclude))
+        except OSError as exc:
+            logger.warning("cannot write the preload list of local rank %d: %s", want.rank, exc)
+            return None
+
+    async def halt(self, attempt: Attempt | None = None) -> None:
+        plans = list(self._plans)
+        for plan in plans:
+            plan.halt()
+        for plan in plans:
+            if plan.started:
+                await plan.done.wait()
+            elif plan in self._plans:  # halted before it began: it will start nothing
+                self._plans.remove(plan)
+        if attempt is not None and attempt.workers:
+            self._learn_store(attempt)
+
+    # ------------------------------------------------------------------ the hand-off
+    def take(self, spec: WorkerSpec) -> Worker | None:
+        """Start the worker in its rank's standby; None if there is none or it cannot."""
+        standby = self.standbys.pop(spec.local_rank, None)
+        if standby is None:
+            return None
+        worker = None
+        cold = self._cold_reason(standby, spec)  # (metric label, log text) or None
+        if cold is None:
+            per_attempt = {k: spec.env[k] for k in PER_ATTEMPT_ENV if k in spec.env}
+            record = (str(Path(spec.env["TORCHELASTIC_ERROR_FILE"]).parent
+                          / autopreload.RECORD_NAME)
+                      if self.options.auto else None)
+            # only a preloaded standby waits for rank 0's store: one that imports the
+            # framework itself would serialise that import behind rank 0's
+            store = self._await_store(spec) if standby.preloading else None
+            worker = standby.go(spec, per_attempt, store, record)
+        else:
+            logger.warning("local rank %d starts cold: %s", spec.local_rank, cold[1])
+        if worker is None:
+            self._cold[spec.local_rank] = cold[0] if cold is not None else "other"
+            self._discard(standby)
+        return worker
+
+    def cold_start(self, local_rank: int) -> Start:
+        return Start(cold_reason=self._cold.get(local_rank))
+
+    def _await_store(self, spec: WorkerSpec) -> tuple[str, int, float] | None:
+        """For a preloaded warm rank other than 0 on rank 0's node, once the job is known
+        to use rank 0's store: where to wait for it before the user's code dials it.
+
+        torch's store client that dials before the server listens is refused and retries
+        after an exponential backoff (250-750 ms first), which is most of a warm
+        restart's ``init_process_group``; rank 0 is handed over first, and the others
+        start their ``init_process_group`` only once its store accepts connections (a
+        store of its own per attempt, as before: nothing is reused)."""
+        attempt = self._attempt
+        if not self.store_seen or attempt is None or attempt.layout.rank_offset != 0:
+            return None
+        if spec.global_rank == 0:
+            return None
+        return attempt.layout.master_addr, attempt.layout.master_port, STORE_WAIT
+
+    def _learn_store(self, attempt: Attempt) -> None:
+        """Note whether rank 0 (if it runs here) has its store listening on MASTER_PORT
+        (only preloaded standbys use it)."""
+        if self.preloading and not self.store_seen and attempt.layout.rank_offset == 0:
+            self.store_seen = port_listening(attempt.layout.master_port)
+            if self.store_seen:
+                logger.debug("rank 0 hosts a store on port %d: warm ranks will wait for it",
+                             attempt.layout.master_port)
+
+    def _cold_reason(self, standby: Standby, spec: WorkerSpec) -> tuple[str, str] | None:
+        """Why the standby cannot take this worker, as (metric label, log text), or None."""
+        if not Standby.accepts(standby.prefix, spec.argv):
+            return "other", "its command cannot run in a standby"
+        changed = env_mismatch(standby.env, spec.env)
+        if changed is not None:
+            return ("env_changed",
+                    f"environment variable {changed} changed since its standby started")
+        failure = standby.preload_failure()
+        if failure is not None:
+            return "preload_failed", failure
+        return None
+
+    # ------------------------------------------------------------------ the end
+    def _discard(self, standby: Standby) -> None:
+        standby.discard()
+        if self.guardian is not None:
+            self.guardian.forget(standby.pid)
+
+    def pids(self) -> set[int]:
+        return {s.pid for s in self.standbys.values()}
+
+    def close(self) -> None:
+        for pid in discard_all(self.standbys):
+            if self.guardian is not None:
+                self.guardian.forget(pid)
+
+
+def _running(attempt: Attempt) -> bool:
+    """Whether the attempt still runs: not stopping, and not every worker exited (the
+    group then waits at the exit barrier or stops: no next attempt to prepare for)."""
+    return not attempt.stopping and any(w.status is None for w in attempt.workers)
+
+
+def port_listening(port: int) -> bool:
+    """Whether something of this host holds ``port`` (rank 0's store listening on it).
+
+    A bind test, not a read of ``/proc/net/tcp``: that table holds every connection of the
+    host (thousands under a busy health endpoint) and took milliseconds of the loop at
+    every stop. Binding the wildcard address (with ``SO_REUSEADDR``, so connections in
+    TIME_WAIT do not count) fails while any socket listens on the port."""
+    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((address, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return True
+        finally:
+            probe.close()
+    return False
