@@ -75,7 +75,8 @@ async def test_a_frozen_member_is_left_and_no_event_is_lost(etcd: EtcdFactory) -
     member from the last revision it delivered + 1."""
     members = etcd.cluster(3)
     async with EtcdClient([m.endpoint for m in members], timeout=1.0) as client, \
-            EtcdClient([members[1].endpoint], timeout=1.0) as writer:
+            EtcdClient([members[1].endpoint], timeout=1.0, retry_window=10) as writer:
+        # the writer waits out an election if the frozen member led the cluster
         start = await writer.put("/t/f/a", "1")
         async with client.watch("/t/f/", prefix=True, start_revision=start) as watch:
             with anyio.fail_after(5):
