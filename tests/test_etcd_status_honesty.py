@@ -20,6 +20,8 @@ from tests.etcd_server import EtcdFactory, EtcdMember, etcd_factory
 NO_LEADER = (b'{"error":{"grpc_code":14,"http_code":503,"message":"etcdserver: no leader",'
              b'"http_status":"Service Unavailable"}}')
 
+pytestmark = pytest.mark.etcd
+
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[EtcdMember]:

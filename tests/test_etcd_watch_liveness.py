@@ -18,6 +18,8 @@ from supervisor.rendezvous.etcd_client import EtcdClient, EtcdUnavailable
 from supervisor.rendezvous.etcd_watch import open_prefix_view
 from tests.etcd_server import EtcdFactory, EtcdMember, etcd_factory
 
+pytestmark = pytest.mark.etcd
+
 
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdFactory]:

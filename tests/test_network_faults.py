@@ -29,7 +29,7 @@ TWO_GROUPS_BOUND = RTT + PROBE_INTERVAL + PROBE_TIMEOUT + STOP
 LEAVE_BOUND = 1.0
 LOSS_BOUND = TTL + 2.0  # the TTL plus a round
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(autouse=True)
