@@ -25,7 +25,8 @@ import sys
 from dataclasses import asdict, dataclass
 
 import psutil
-from harness import (
+
+from benchmarks.harness import (
     OURS,
     TORCHRUN,
     TORCHRUN_FAST,

@@ -30,7 +30,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.harness import REPO, log
+
 WORKER = REPO / "tests" / "workers" / "goodput_worker.py"
 MODES = {
     "crash": ["--mode", "exit"],
@@ -80,7 +81,7 @@ def main() -> None:
         for i in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="bench-goodput-") as tmp:
                 results[mode].append(one_run(mode, Path(tmp)))
-            print(f"{mode} run {i + 1}/{args.runs}: {results[mode][-1]}", file=sys.stderr)
+            log(f"{mode} run {i + 1}/{args.runs}: {results[mode][-1]}")
     print("| scenario | boundary | median error (ms) | max abs error (ms) |")
     print("|---|---|---:|---:|")
     for mode, runs in results.items():

@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.harness import BIN
+
 WORKER = r"""
 import json, os, random, sys, time
 out = sys.argv[1]
@@ -105,7 +107,7 @@ def launcher(kind: str, script: Path, out: Path, logs: Path) -> subprocess.Popen
     else:
         env["TORCHELASTIC_ENABLE_FILE_TIMER"] = "1"
         env["TORCHELASTIC_TIMER_FILE"] = str(out / "torch-timer.fifo")
-        cmd = [str(Path(py).parent / "torchrun"), "--nproc-per-node", "2", "--max-restarts", "1",
+        cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--max-restarts", "1",
                "--log-dir", str(logs)]
     return subprocess.Popen([*cmd, str(script), str(out)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)

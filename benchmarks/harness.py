@@ -5,6 +5,10 @@ command line of elastic-supervisor or torchrun with the same meaning. A ``Job`` 
 launcher in a private temporary directory and always cleans up: the launcher gets SIGTERM,
 then SIGKILL, and every process it ever started (seen through psutil or through the
 workers' own records) is killed if it is still alive. Nothing here is used by the tests.
+
+Every script under benchmarks/ takes its paths, ports and progress log from here. Run them
+inside the venv (``pip install -e .`` puts the repository root on ``sys.path``), as
+``python -m benchmarks.NAME`` or ``python benchmarks/NAME.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -28,10 +33,24 @@ from pathlib import Path
 import psutil
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
 WORKER = HERE / "bench_worker.py"
 BIN = Path(sys.executable).parent  # the venv's bin: its python, elastic-supervisor, torchrun
 
 STOP_GRACE = 20.0  # seconds between SIGTERM and SIGKILL of a launcher during clean-up
+
+
+def log(text: str) -> None:
+    """Progress, to stderr (stdout carries the results), stamped with the wall clock."""
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    """A port the kernel just gave out on 127.0.0.1, for a server told its port up front."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
 
 
 class BenchError(RuntimeError):

@@ -32,8 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from health_load import drive, report
+from benchmarks.health_load import drive, report
 
 WORKER = r"""
 import os, sys, time

@@ -23,7 +23,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import psutil
-from harness import (
+
+from benchmarks.harness import (
     OURS,
     TORCHRUN,
     BenchError,
@@ -36,7 +37,6 @@ from harness import (
     sched_seconds,
     uss_bytes,
 )
-
 from supervisor.workers.warm.standby import is_standby_command
 
 

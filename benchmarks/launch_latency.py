@@ -22,7 +22,17 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness import OURS, TORCHRUN, WORKER, BenchError, Job, Launcher, Summary, alternate, job
+from benchmarks.harness import (
+    OURS,
+    TORCHRUN,
+    WORKER,
+    BenchError,
+    Job,
+    Launcher,
+    Summary,
+    alternate,
+    job,
+)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,8 @@ from typing import Any
 
 import psutil
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.harness import REPO, log
+
 MARK = "LEAK_CHECK_RUN"
 RSS_TARGET_MB = 5.0
 SETTLE = 1.5  # seconds idle at a checkpoint before measuring
@@ -205,12 +206,12 @@ class LeakCheck:
         assert self.proc is not None
         self.port = self._wait("health endpoint", self._health_port, 60)
         before = self.checkpoint(a.warmup)
-        print(f"[leak] attempt {a.warmup}: {_short(before)}", file=sys.stderr)
+        log(f"[leak] attempt {a.warmup}: {_short(before)}")
         t0 = time.monotonic()
         self.proc.send_signal(signal.SIGUSR1)  # forwarded: rank 0 exits 1, restarts resume
         after = self.checkpoint(a.warmup + a.restarts)
         seconds = time.monotonic() - t0
-        print(f"[leak] attempt {a.warmup + a.restarts}: {_short(after)}", file=sys.stderr)
+        log(f"[leak] attempt {a.warmup + a.restarts}: {_short(after)}")
         self.proc.send_signal(signal.SIGTERM)
         code = self.proc.wait(60)
         orphans = self.orphans()

@@ -31,7 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.harness import REPO
+
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 WORKER = """\

@@ -1,8 +1,9 @@
 """Network faults against a real etcd-backed job, each node in its own network namespace.
 
 Root only (it makes namespaces, veth pairs, a bridge and nftables rules, all of them its
-own, all removed at the end; see tests/netlab.py). The scenarios are tests/netjob.py's,
-shared with tests/test_network_faults.py, which runs short versions of them in CI.
+own, all removed at the end; see tests/support/netlab.py). The scenarios are
+tests/support/netjob.py's, shared with tests/e2e/test_network_faults.py, which runs short
+versions of them in CI.
 
     sudo .venv/bin/python benchmarks/netfaults.py                      # long: TTL 10, 30/90 s cuts
     sudo .venv/bin/python benchmarks/netfaults.py --quick              # TTL 3, 10 s cuts
@@ -26,8 +27,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests import netjob  # noqa: E402
-from tests.netlab import sweep_stale, unavailable  # noqa: E402
+from tests.support import netjob  # noqa: E402
+from tests.support.netlab import sweep_stale, unavailable  # noqa: E402
 
 CASES = ("cut", "cut-restart", "member", "outage", "lossy")
 

@@ -30,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,11 +40,8 @@ from pathlib import Path
 
 import psutil
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-
-from benchmarks.harness import BIN, ensure_bytecode, launcher_env  # noqa: E402
-from supervisor.workers.warm.standby import is_standby_command  # noqa: E402
+from benchmarks.harness import BIN, HERE, ensure_bytecode, free_port, launcher_env
+from supervisor.workers.warm.standby import is_standby_command
 
 JOB = HERE / "recovery_job.py"
 PHASES = ("interpreter", "import torch", "init_process_group", "DDP + first step")
@@ -63,12 +59,6 @@ class Cell:
     failed_runs: int = 0
     standby_rss: list[int] = field(default_factory=list)
     standby_uss: list[int] = field(default_factory=list)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def command(cell: Cell, ranks: int, restarts: int, logs: Path) -> list[str]:

@@ -57,7 +57,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -70,6 +69,8 @@ from datetime import datetime
 from pathlib import Path
 
 import psutil
+
+from benchmarks.harness import free_port, log
 
 BIN = Path(sys.executable).parent
 POLL = 0.02  # s between looks at the agents' files; timings come from the records themselves
@@ -91,15 +92,6 @@ class BenchError(RuntimeError):
     """A run did not do what it should (timeout, early exit)."""
 
 
-def log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str) -> None:

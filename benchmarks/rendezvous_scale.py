@@ -42,7 +42,6 @@ import queue
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -55,21 +54,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from benchmarks.harness import REPO, free_port, log
+
 PHASE_TIMEOUT = 120.0  # s, any phase at any N
 NODE = "n{:05d}"
 VERBOSE = bool(os.environ.get("SCALE_VERBOSE"))
 
 
-def log(text: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def raise_nofile() -> tuple[int, int]:
@@ -86,7 +77,6 @@ async def agent_main(args: argparse.Namespace) -> None:
     """Run ``args.count`` participants; obey commands on stdin, report on stdout."""
     import anyio
 
-    sys.path.insert(0, str(REPO))
     from supervisor.rendezvous.etcd import EtcdRendezvous, EtcdRendezvousConfig
 
     raise_nofile()

@@ -23,8 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-HERE = Path(__file__).parent
-DOCS = HERE.parent / "docs"
+from benchmarks.harness import HERE, REPO, log
+
+DOCS = REPO / "docs"
 
 
 @dataclass
@@ -66,7 +67,7 @@ def run(section: Section, quick: bool, workdir: Path) -> None:
     json_path = workdir / f"{script.stem}.json"
     if section.json_flag:
         args += ["--json", str(json_path)]
-    print(f"== {section.script} {' '.join(args)}", file=sys.stderr, flush=True)
+    log(f"== {section.script} {' '.join(args)}")
     started = time.monotonic()
     result = subprocess.run([sys.executable, str(script), *args], capture_output=True,
                             text=True, cwd=HERE.parent, timeout=1800)

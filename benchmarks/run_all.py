@@ -23,10 +23,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import crash_restart
-import idle_footprint
-import launch_latency
-from harness import OURS, TORCHRUN, TORCHRUN_FAST, Summary
+from benchmarks import crash_restart, idle_footprint, launch_latency
+from benchmarks.harness import OURS, TORCHRUN, TORCHRUN_FAST, Summary
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"

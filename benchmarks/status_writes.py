@@ -23,11 +23,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from supervisor.rendezvous.summary import summary_prefix  # noqa: E402
-from tests.etcd_server import etcd_factory  # noqa: E402
+from benchmarks.harness import REPO
+from supervisor.rendezvous.summary import summary_prefix
+from tests.support.etcd import etcd_factory
 
 
 def etcd_range(endpoint: str, prefix: str) -> tuple[list[dict[str, Any]], int]:

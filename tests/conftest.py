@@ -1,168 +1,29 @@
-"""Shared test harness: run the real supervisor as a subprocess and wait on its output."""
+"""Suite-wide hooks and fixtures: a marker per layer, declared dependencies, etcd.
+
+Helpers live in ``tests/support/`` (see tests/README.md); fixtures every layer may use are
+here, so no test module imports another.
+"""
 
 from __future__ import annotations
 
 import os
 import re
-import signal
-import sys
-from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
-import anyio
 import pytest
-from anyio.abc import Process
 
-from tests import deps
+from tests.support import deps
+from tests.support.etcd import EtcdFactory, EtcdMember, etcd_factory
+from tests.support.paths import TESTS
+from tests.support.watchdog import Freezer
 
-TESTS = Path(__file__).parent
-FAKE_WORKER = str(TESTS / "workers" / "fake_worker.py")
-REPO = TESTS.parent
-
-
-class Stream:
-    """Lines read from one pipe, with a cursor so each expectation consumes what it saw."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.cursor = 0
-        self.closed = False
-        self.done = anyio.Event()
-        self._changed = anyio.Event()
-
-    def feed(self, line: str) -> None:
-        self.lines.append(line)
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    def close(self) -> None:
-        self.closed = True
-        self._changed.set()
-        self.done.set()
-
-    async def expect(self, pattern: str, timeout: float = 15.0) -> re.Match[str]:
-        regex = re.compile(pattern)
-        with anyio.fail_after(timeout):
-            while True:
-                while self.cursor < len(self.lines):
-                    line = self.lines[self.cursor]
-                    self.cursor += 1
-                    m = regex.search(line)
-                    if m:
-                        return m
-                if self.closed:
-                    raise AssertionError(f"stream closed before {pattern!r}:\n" + self.text())
-                await self._changed.wait()
-
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-
-class Supervised:
-    """A running supervisor process with its stdout (workers) and stderr (its log)."""
-
-    def __init__(self, process: Process) -> None:
-        self.process = process
-        self.out = Stream()
-        self.err = Stream()
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def signal(self, signum: int) -> None:
-        self.process.send_signal(signum)
-
-    async def wait(self, timeout: float = 30.0) -> int:
-        with anyio.fail_after(timeout):
-            code = await self.process.wait()
-            await self.out.done.wait()  # the readers have drained the last lines
-            await self.err.done.wait()
-            return code
-
-
-async def _pump(stream: anyio.abc.ByteReceiveStream, sink: Stream) -> None:
-    buf = b""
-    try:
-        async for chunk in stream:
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                sink.feed(line.decode(errors="replace"))
-    except (anyio.ClosedResourceError, anyio.BrokenResourceError):
-        pass
-    if buf:
-        sink.feed(buf.decode(errors="replace"))
-    sink.close()
-
-
-@asynccontextmanager
-async def supervisor(
-    args: Sequence[str],
-    env: dict[str, str] | None = None,
-    cwd: str | Path | None = None,
-    launcher: Sequence[str] | None = None,
-) -> AsyncIterator[Supervised]:
-    """Start ``python -m supervisor run ARGS`` (or ``launcher`` + ARGS, e.g. through a
-    ``setpriv`` that drops to another user); kill it (and wait) on the way out.
-
-    systemd's variables are never inherited from the test's own environment; a test of
-    sd_notify passes its own NOTIFY_SOCKET in ``env``.
-    """
-    full_env = {**os.environ}
-    for key in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID"):
-        full_env.pop(key, None)
-    full_env.update(env or {})
-    full_env.setdefault("PYTHONUNBUFFERED", "1")
-    head = [sys.executable, "-m", "supervisor", "run"] if launcher is None else launcher
-    cmd = [*head, *args]
-    process = await anyio.open_process(cmd, env=full_env, cwd=cwd)
-    sup = Supervised(process)
-    async with anyio.create_task_group() as tg:
-        assert process.stdout is not None and process.stderr is not None
-        tg.start_soon(_pump, process.stdout, sup.out)
-        tg.start_soon(_pump, process.stderr, sup.err)
-        try:
-            yield sup
-        except BaseException:
-            # shown by pytest with the failure: what the supervisor and workers said
-            print("--- supervisor stderr ---\n" + sup.err.text())
-            print("--- workers' stdout ---\n" + sup.out.text())
-            raise
-        finally:
-            with anyio.CancelScope(shield=True):
-                if process.returncode is None:
-                    process.send_signal(signal.SIGKILL)
-                await process.wait()
-                with anyio.move_on_after(5):
-                    await sup.out.done.wait()
-                    await sup.err.done.wait()
-                tg.cancel_scope.cancel()
-
-
-def pid_alive(pid: int) -> bool:
-    """True if ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-async def wait_dead(pids: Sequence[int], timeout: float) -> None:
-    """Wait until every pid is gone; pidfds make this event-driven where possible."""
-    with anyio.fail_after(timeout):
-        for pid in pids:
-            try:
-                fd = os.pidfd_open(pid)
-            except ProcessLookupError:
-                continue
-            try:
-                if pid_alive(pid):
-                    await anyio.wait_readable(fd)  # a pidfd is readable once the process exits
-            finally:
-                os.close(fd)
+# tests/<layer>/... gets the marker <layer>: `-m unit` runs what `tests/unit` holds
+LAYERS = {
+    "unit": "pure logic: no event loop, no processes (tests/unit)",
+    "component": "real processes, sockets or servers, but not the whole daemon (tests/component)",
+    "e2e": "the daemon end to end (tests/e2e)",
+}
 
 
 @pytest.fixture
@@ -174,6 +35,8 @@ def anyio_backend() -> str:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    for layer, what in LAYERS.items():
+        config.addinivalue_line("markers", f"{layer}: {what}")
     for marker, (_, how) in {**deps.MODULES, **deps.BINARIES}.items():
         config.addinivalue_line("markers", f"{marker}: needs {marker} ({how})")
 
@@ -186,6 +49,46 @@ def _declared_dependencies(request: pytest.FixtureRequest) -> None:
         deps.need_marker(marker.name)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(TESTS):  # not so for a suite that loads this as a plugin
+            layer = item.path.relative_to(TESTS).parts[0]
+            if layer in LAYERS:
+                item.add_marker(layer)
+
+
+# ---------------------------------------------------------------------------- etcd
+
+
+@pytest.fixture
+def factory(tmp_path: Path) -> Iterator[EtcdFactory]:
+    """Starts etcd members (one or a cluster) for this test; stops them after it."""
+    (tmp_path / "etcd").mkdir()
+    with etcd_factory(tmp_path / "etcd") as made:
+        yield made
+
+
+@pytest.fixture
+def server(factory: EtcdFactory) -> EtcdMember:
+    """One etcd member of this test's own."""
+    return factory.single()
+
+
+# ------------------------------------------------------------------ D state
+
+
+@pytest.fixture
+def freezer() -> Iterator[Freezer]:
+    """A cgroup v1 freezer whose members sleep in D state; thawed and removed after."""
+    root = Path("/sys/fs/cgroup/freezer")
+    if not (root / "cgroup.procs").is_file() or not os.access(root, os.W_OK):
+        pytest.skip("needs a writable cgroup v1 freezer at /sys/fs/cgroup/freezer (root) to "
+                    "put a process in D state; the FUSE fallback is not implemented")
+    made = Freezer(root)
+    yield made
+    made.release()
+
+
 # skip reasons that mean "something is not installed", whoever raised them
 _DEPENDENCY_SKIP = re.compile(
     "^" + re.escape(deps.PREFIX) + r"|could not import|No module named|not installed"
@@ -194,7 +97,7 @@ _DEPENDENCY_SKIP = re.compile(
 
 def _fail_dependency_skip(report: pytest.CollectReport | pytest.TestReport) -> None:
     """Under ELASTIC_SUPERVISOR_REQUIRE_DEPS=1 no dependency skip passes, even one made by
-    a bare ``pytest.importorskip`` or ``pytest.skip`` that bypassed tests/deps.py."""
+    a bare ``pytest.importorskip`` or ``pytest.skip`` that bypassed tests/support/deps.py."""
     if not (report.skipped and deps.required()) or hasattr(report, "wasxfail"):
         return
     longrepr = report.longrepr

@@ -17,7 +17,7 @@ After ``--minutes`` it draws the picture and stops everything.
 
     python config/grafana/render_dashboard.py --demo --minutes 1.5 --out docs/dashboard.png
 
-``tests/test_prometheus.py`` calls it (without ``--demo``) when ``DASHBOARD_PICTURE=PATH``
+``tests/e2e/test_prometheus.py`` calls it (without ``--demo``) when ``DASHBOARD_PICTURE=PATH``
 is set, while its own job and Prometheus still run.
 """
 

@@ -1,0 +1,72 @@
+"""A WorkerGroup with the null pool (no standbys): every rank starts cold, each exit is
+reported into the inbox, and a stop ends every worker.
+
+Component tests: real interpreters, no daemon around the group."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import anyio
+
+from supervisor.config import Settings
+from supervisor.core import state as sm
+from supervisor.events import EventLog
+from supervisor.rendezvous.base import RendezvousResult
+from supervisor.workers.group import WorkerGroup
+from supervisor.workers.output import OutputPlan
+from supervisor.workers.spawn import DeathSignal, Start
+from supervisor.workers.warm.pool import NullPool
+from tests.support.paths import FAKE_WORKER
+
+ROUND = RendezvousResult(round=1, group_rank=0, group_world_size=1, rank_offset=0,
+                         world_size=2, master_addr="127.0.0.1", master_port=29999)
+
+
+def _group(tmp_path: Path, args: list[str], post: list[sm.Event]) -> WorkerGroup:
+    settings = Settings(training_script=FAKE_WORKER, training_script_args=args, nproc_per_node="2",
+                        shutdown_timeout=5.0)
+    return WorkerGroup(
+        settings, run_id="job", events=EventLog(tmp_path / "events.jsonl", "job"),
+        log_root=tmp_path / "logs", output=OutputPlan.from_settings(settings),
+        environ={"PATH": "/usr/bin:/bin", "PYTHON_EXEC": sys.executable}, timer_file=None,
+        post=post.append, death=DeathSignal(), pool=NullPool(), sweep_adopted=False,
+    )
+
+
+async def test_each_exit_is_posted_with_its_attempt_and_code(tmp_path: Path) -> None:
+    posted: list[sm.Event] = []
+    group = _group(tmp_path, ["--exit", "3"], posted)
+    attempt, failed = group.launch(1, 0, ROUND)
+    assert failed == []
+    assert [w.start for w in attempt.workers] == [Start(), Start()]  # cold, no reason
+    with anyio.fail_after(30):
+        await group.supervise(attempt)  # returns once both monitors reported
+    exits = [e for e in posted if isinstance(e, sm.WorkerExited)]
+    assert sorted((e.attempt, e.local_rank, e.exit_code) for e in exits) == [(1, 0, 3), (1, 1, 3)]
+    await group.release()
+    group.close()
+
+
+async def test_a_stop_ends_every_worker_of_the_attempt(tmp_path: Path) -> None:
+    posted: list[sm.Event] = []
+    group = _group(tmp_path, ["--hang"], posted)
+    attempt, _ = group.launch(1, 0, ROUND)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(group.supervise, attempt)
+        with anyio.fail_after(30):
+            await group.stop(attempt, signal.SIGTERM)
+    assert all(w.reaped for w in attempt.workers)
+    assert attempt.stopping
+    assert group.exempt() == set()  # the null pool holds no standby
+    group.close()
+
+
+def test_the_null_pool_never_gives_a_warm_worker(tmp_path: Path) -> None:
+    pool = NullPool()
+    assert pool.pids() == set()
+    assert pool.cold_start(0) == Start(warm=False, cold_reason=None)
+
+

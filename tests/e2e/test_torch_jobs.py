@@ -1,0 +1,170 @@
+"""Real PyTorch DDP jobs (gloo, CPU) under elastic-supervisor and under torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import anyio
+import pytest
+
+from tests.support import deps
+from tests.support.daemon import supervisor
+from tests.support.paths import REPO
+
+deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
+# torch training jobs (gloo, several ranks) each load both cores: one at a time, so that two
+# of them never share the machine under xdist and run into the per-test timeout
+pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("torch")]
+
+TRAIN = str(REPO / "examples" / "ddp_train.py")
+STEPS = ["--steps", "120", "--checkpoint-every", "20", "--batch", "32"]
+FINAL = r"final loss (\d+\.\d+) after 120 steps$"
+# --tee 3: every console line comes through the supervisor whole (prefixed "[default0]:")
+TEE = ["--tee", "3"]
+
+
+def torchrun_final_loss(tmp_path: Path) -> str:
+    torchrun = Path(sys.executable).parent / "torchrun"
+    result = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "2", "--log-dir", str(tmp_path / "tr-logs"),
+         TRAIN, *STEPS, "--checkpoint-dir", str(tmp_path / "tr-ck")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    m = re.search(FINAL, result.stdout, re.M)
+    assert m, result.stdout[-2000:]
+    return m.group(1)
+
+
+async def test_same_final_loss_as_torchrun(tmp_path: Path) -> None:
+    expected = torchrun_final_loss(tmp_path)
+    args = [*TEE, "--health-port", "0", "--nproc-per-node", "2",
+            "--log-dir", str(tmp_path / "logs"),
+            TRAIN, *STEPS, "--checkpoint-dir", str(tmp_path / "ck")]
+    async with supervisor(args) as sup:
+        loss = (await sup.out.expect(FINAL, timeout=240)).group(1)
+        assert await sup.wait() == 0
+    assert loss == expected
+
+
+async def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path: Path) -> None:
+    args = [*TEE, "--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
+            "--log-dir", str(tmp_path / "logs"), TRAIN, *STEPS,
+            "--checkpoint-dir", str(tmp_path / "ck")]
+    async with supervisor(args) as sup:
+        pid = int((await sup.out.expect(r"rank 1/2 pid (\d+) starting at step 0",
+                                        timeout=120)).group(1))
+        await sup.out.expect(r"checkpoint at step 40$", timeout=120)
+        os.kill(pid, signal.SIGKILL)
+        resumed = await sup.out.expect(r"rank \d/2 pid \d+ starting at step (\d+) \(restart 1\)",
+                                       timeout=120)
+        assert int(resumed.group(1)) >= 40
+        loss = (await sup.out.expect(FINAL, timeout=240)).group(1)
+        assert await sup.wait() == 0
+        await sup.err.expect(r"killed by SIGKILL")
+    # resuming from the checkpoint reproduces the unbroken run exactly
+    assert loss == torchrun_final_loss(tmp_path)
+
+
+async def test_exception_traceback_is_root_cause(tmp_path: Path) -> None:
+    args = [*TEE, "--health-port", "0", "--nproc-per-node", "2",
+            "--log-dir", str(tmp_path / "logs"),
+            TRAIN, *STEPS, "--checkpoint-dir", str(tmp_path / "ck"), "--raise-at", "5"]
+    async with supervisor(args) as sup:
+        assert await sup.wait(timeout=240) == 1
+        await sup.err.expect(r"root cause: local rank 1 .* exited with code 1: "
+                             r"RuntimeError: injected failure at step 5")
+    error_file = tmp_path / "logs" / "none" / "attempt_0" / "1" / "error.json"
+    assert "Traceback" in error_file.read_text()
+
+
+async def test_hung_rank_is_caught_by_its_deadline_and_the_job_resumes(tmp_path: Path) -> None:
+    args = [*TEE, "--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
+            "--log-dir", str(tmp_path / "logs"), TRAIN, *STEPS,
+            "--checkpoint-dir", str(tmp_path / "ck"), "--hang-at", "50", "--step-timeout", "3"]
+    async with supervisor(args) as sup:
+        await sup.out.expect(r"rank 1 hanging at step 50$", timeout=120)
+        await sup.err.expect(r"deadline 'train_step' of local rank 1 .* expired", timeout=30)
+        resumed = await sup.out.expect(r"starting at step (\d+) \(restart 1\)", timeout=120)
+        assert int(resumed.group(1)) == 40  # the last checkpoint before the hang
+        loss = (await sup.out.expect(FINAL, timeout=240)).group(1)
+        assert await sup.wait() == 0
+    assert loss == torchrun_final_loss(tmp_path)
+
+
+@pytest.mark.etcd
+async def test_two_nodes_over_etcd_train_like_one_group(tmp_path: Path) -> None:
+    from tests.support.etcd import etcd_factory
+    (tmp_path / "etcd").mkdir()
+    with etcd_factory(tmp_path / "etcd") as factory:
+        server = factory.single()
+        losses: list[str] = []
+        async with anyio.create_task_group() as tg:
+
+            async def node(n: int) -> None:
+                args = [*TEE, "--health-port", "0", "--nnodes", "2", "--nproc-per-node", "2",
+                        "--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
+                        "--rdzv-id", "ddp2x2", "--rdzv-conf", "last_call_timeout=1,lease_ttl=5",
+                        "--log-dir", str(tmp_path / f"logs{n}"), TRAIN, *STEPS,
+                        "--checkpoint-dir", str(tmp_path / "ck")]
+                async with supervisor(args) as sup:
+                    if n == 0:
+                        losses.append((await sup.out.expect(
+                            r"final loss (\d+\.\d+)", timeout=240)).group(1))
+                    assert await sup.wait(timeout=240) == 0
+
+            for n in range(2):
+                tg.start_soon(node, n)
+    # 4 ranks over 2 nodes: compare with torchrun running the same 4 ranks on one node
+    torchrun = Path(sys.executable).parent / "torchrun"
+    result = subprocess.run(
+        [str(torchrun), "--nproc-per-node", "4", "--log-dir", str(tmp_path / "tr"), TRAIN,
+         *STEPS, "--checkpoint-dir", str(tmp_path / "tr-ck")],
+        capture_output=True, text=True, timeout=300,
+    )
+    m = re.search(FINAL, result.stdout, re.M)
+    assert m, result.stderr[-2000:]
+    expected = m.group(1)
+    assert losses == [expected]
+
+
+async def _hang_kill_resume(
+    tmp_path: Path, name: str, flags: list[str]
+) -> tuple[str, list[object]]:
+    """Rank 1 hangs at step 30 of the first attempt; once ``ready`` (the standbys are
+    preloaded, if asked) it is SIGKILLed; the job resumes from its step-20 checkpoint.
+    Returns the final loss and which ranks the restart started warm."""
+    logs = tmp_path / f"logs-{name}"
+    args = [*TEE, "--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
+            "--log-dir", str(logs), "--log-level", "info", *flags, TRAIN, *STEPS,
+            "--checkpoint-dir", str(tmp_path / f"ck-{name}"), "--hang-at", "30",
+            "--step-timeout", "600"]
+    async with supervisor(args) as sup:
+        pid = int((await sup.out.expect(r"rank 1/2 pid (\d+) starting at step 0",
+                                        timeout=120)).group(1))
+        await sup.out.expect(r"rank 1 hanging at step 30", timeout=120)
+        if "--preload" in flags:
+            for _ in range(2):
+                await sup.err.expect(r"preloaded torch,torch._dynamo in", timeout=120)
+        os.kill(pid, signal.SIGKILL)
+        await sup.out.expect(r"starting at step 20 \(restart 1\)", timeout=120)
+        loss = (await sup.out.expect(FINAL, timeout=240)).group(1)
+        assert await sup.wait() == 0
+    events = (logs / "none" / "events.jsonl").read_text().splitlines()
+    warm = [json.loads(e).get("warm") for e in events if '"group_started"' in e]
+    return loss, warm
+
+
+async def test_preloaded_restart_resumes_to_the_loss_of_a_cold_restart(tmp_path: Path) -> None:
+    preloaded, warm = await _hang_kill_resume(
+        tmp_path, "preload", ["--preload", "torch,torch._dynamo", "--preload-after", "0"])
+    assert warm == [None, [0, 1]]  # the restart ran in the preloaded standbys
+    cold, warm = await _hang_kill_resume(tmp_path, "cold", ["--no-warm-restart"])
+    assert warm == [None, None]
+    assert preloaded == cold

@@ -1,0 +1,5 @@
+import os
+
+if os.environ.get("PRELOAD_STARTED"):
+    open(os.environ["PRELOAD_STARTED"], "w").close()
+open(os.environ["PRELOAD_GATE"]).close()
