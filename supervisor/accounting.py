@@ -81,7 +81,8 @@ class GoodputRecorder:
     def attach_metrics(self, metrics: RecoveryMetrics) -> None:
         """Count every record closed so far, then each one as it closes."""
         for record in self.closed:
-            _observe(metrics, record)
+            if record.outcome is not Outcome.UNKNOWN:
+                _observe(metrics, record)
         self.closed = []
         self.metrics = metrics
 
@@ -143,13 +144,21 @@ class GoodputRecorder:
             assert doc is not None
             doc.pop("number")
             doc["failed_attempt"] = doc.pop("attempt")  # the line's own "attempt" is current
-            self.events.emit("recovered", failure=record.number, recovered=(
-                record.outcome is Outcome.RECOVERED), **doc)
-            level = logging.INFO if record.outcome is Outcome.RECOVERED else logging.WARNING
-            logger.log(level, "failure %d (%s, attempt %d): %s after %.3f s lost",
-                       record.number, record.cause, record.attempt, record.outcome.value,
-                       record.lost or 0.0)
-            if self.metrics is not None:
+            self.events.emit("recovered", failure=record.number, recovered=_recovered(record),
+                             **doc)
+            if record.outcome is Outcome.UNKNOWN:
+                logger.info("failure %d (%s, attempt %d): relaunched; lost unknown (no "
+                            "progress signal: --progress-pattern or deadline posts give one), "
+                            "at least %.3f s until the relaunch", record.number, record.cause,
+                            record.attempt, record.lost_at_least or 0.0)
+            else:
+                level = logging.INFO if record.outcome is Outcome.RECOVERED else logging.WARNING
+                logger.log(level, "failure %d (%s, attempt %d): %s after %.3f s lost",
+                           record.number, record.cause, record.attempt, record.outcome.value,
+                           record.lost or 0.0)
+            if record.outcome is Outcome.UNKNOWN:
+                pass  # no figure to observe: the recovery time was not seen
+            elif self.metrics is not None:
                 _observe(self.metrics, record)
             elif len(self.closed) < MAX_KEPT:  # kept only until the metrics exist
                 self.closed.append(record)
@@ -161,10 +170,13 @@ class GoodputRecorder:
         t = totals(self.ledger(), self._clock())
         causes = ", ".join(f"{k} {v:.1f}s" for k, v in t.lost_by_cause.items() if v > 0)
         ratio = "-" if t.ratio is None else f"{100 * t.ratio:.1f}%"
+        if t.unknown > 0:
+            ratio = "unknown (no rank had a progress signal: see --progress-pattern)"
+        unknown = f", unknown {t.unknown:.1f}s" if t.unknown > 0 else ""
         return (
             f"goodput: wall {t.wall:.1f}s, start-up {t.startup:.1f}s, productive "
             f"{t.productive:.1f}s, lost {t.lost:.1f}s ({causes or 'none'}), idle "
-            f"{t.idle:.1f}s, {t.failures} failure(s), {t.restarts} restart(s), "
+            f"{t.idle:.1f}s{unknown}, {t.failures} failure(s), {t.restarts} restart(s), "
             f"effective training time {ratio}"
         )
 
@@ -204,6 +216,13 @@ def _cause(failure: sm.Failure) -> str:
         case sm.FailureKind.REMOTE:
             return "remote_failure"
     return "other"
+
+
+def _recovered(record: Recovery) -> bool | str:
+    """The ``recovered`` event's flag: "unknown" when the resumption could not be seen."""
+    if record.outcome is Outcome.UNKNOWN:
+        return "unknown"
+    return record.outcome is Outcome.RECOVERED
 
 
 def _observe(metrics: RecoveryMetrics, record: Recovery) -> None:

@@ -46,6 +46,12 @@ from supervisor.config import ConfigError, Settings, build
 from supervisor.controller import CommandFor, settings_command
 from supervisor.core.envs import interpreter
 from supervisor.preflight import check_runnable
+from supervisor.torchcompat import (
+    child_failed_error,
+    is_launch_config,
+    launch_config_settings,
+    unique_run_id,
+)
 from supervisor.views import RunResult
 from supervisor.workers import bootstrap
 from supervisor.workers.errorfile import read_error_file
@@ -55,7 +61,7 @@ from supervisor.workers.topology import cpus_for
 logger = logging.getLogger(__name__)
 
 Entrypoint = Callable[..., Any] | str
-Config = Settings | Mapping[str, Any]
+Config = Settings | Mapping[str, Any]  # or torch's LaunchConfig (supervisor.torchcompat)
 BOOTSTRAP = "supervisor.workers.bootstrap"
 
 
@@ -86,38 +92,43 @@ class RankFailure:
 class WorkerGroupFailed(Exception):
     """The worker group failed for good: torch's ``ChildFailedError`` for this supervisor.
 
-    ``failures`` maps global rank to ``RankFailure`` in the order the supervisor observed
-    them (the first is the root cause); it is empty when no worker failed by itself
-    (a rendezvous error, a deadline the watchdog enforced: see ``root_cause``).
+    ``rank_failures`` maps global rank to ``RankFailure`` in the order the supervisor
+    observed them (the first is the root cause); it is empty when no worker failed by
+    itself (a rendezvous error, a deadline the watchdog enforced: see ``root_cause``).
+    ``failures`` is the same mapping, except when the exception is also torch's
+    ``ChildFailedError`` (``supervisor.torchcompat``): then it holds torch's
+    ``ProcessFailure`` values, as torch's own code expects.
     """
 
     def __init__(
         self, name: str, failures: Mapping[int, RankFailure], *, exit_code: int, root_cause: str
     ) -> None:
         self.name = name
-        self.failures = dict(failures)
+        self.rank_failures = dict(failures)
+        self.failures: Mapping[int, Any] = self.rank_failures
         self.exit_code = exit_code
         self.root_cause = root_cause
-        super().__init__(self.format_msg())
+        # not super(): with ChildFailedError as a second base, its __init__ comes next
+        Exception.__init__(self, self.format_msg())
 
-    def get_first_failure(self) -> tuple[int, RankFailure] | None:
+    def get_first_failure(self) -> tuple[int, Any] | None:
         """The root cause's (global rank, failure), like ``ChildFailedError``'s."""
         return next(iter(self.failures.items()), None)
 
     @property
     def message(self) -> str:
-        first = self.get_first_failure()
-        return first[1].message if first and first[1].message else self.root_cause
+        first = next(iter(self.rank_failures.values()), None)
+        return first.message if first and first.message else self.root_cause
 
     @property
     def traceback(self) -> str:
-        first = self.get_first_failure()
-        return first[1].traceback if first else ""
+        first = next(iter(self.rank_failures.values()), None)
+        return first.traceback if first else ""
 
     def format_msg(self) -> str:
         lines = [f"{self.name} FAILED (exit code {self.exit_code})",
                  f"root cause: {self.root_cause or self.message}"]
-        for index, failure in enumerate(self.failures.values()):
+        for index, failure in enumerate(self.rank_failures.values()):
             lines.append(("first failure: " if index == 0 else "also failed: ")
                          + failure.describe())
             lines.append(f"  error file: {failure.error_file}")
@@ -130,9 +141,12 @@ class WorkerGroupFailed(Exception):
 
 
 def launch_settings(config: Config, entrypoint: Entrypoint, args: Sequence[Any]) -> Settings:
-    """Validate ``config`` (``Settings`` or a mapping of settings) for this entrypoint."""
-    raw = (msgspec.structs.asdict(config) if isinstance(config, Settings)
-           else {str(k).replace("-", "_"): _value(str(k), v) for k, v in config.items()})
+    """Validate ``config`` (``Settings``, a mapping of settings or torch's ``LaunchConfig``)
+    for this entrypoint. Without a run id the launch gets a unique one, as with torch's
+    ``launch_agent`` (a ``Settings`` value's default ``none`` counts as none given)."""
+    raw = config_settings(config)
+    if not raw.get("rdzv_id") or (isinstance(config, Settings) and raw["rdzv_id"] == "none"):
+        raw["rdzv_id"] = unique_run_id()
     if isinstance(entrypoint, str):
         what: dict[str, Any] = {
             "training_script": entrypoint, "training_script_args": [_arg(a) for a in args],
@@ -150,6 +164,18 @@ def launch_settings(config: Config, entrypoint: Entrypoint, args: Sequence[Any])
             "'spawn' (default) or 'forkserver', both start a fresh interpreter per rank"
         )
     return settings
+
+
+def config_settings(config: Config | Any) -> dict[str, Any]:
+    """The raw settings of ``config``: ours as they are, torch's ``LaunchConfig`` converted."""
+    if isinstance(config, Settings):
+        return msgspec.structs.asdict(config)
+    if is_launch_config(config):
+        return launch_config_settings(config)
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be Settings, a mapping or torch's LaunchConfig, "
+                        f"got {type(config).__name__}")
+    return {str(k).replace("-", "_"): _value(str(k), v) for k, v in config.items()}
 
 
 def entrypoint_name(entrypoint: Entrypoint) -> str:
@@ -342,14 +368,14 @@ async def alaunch(config: Config, entrypoint: Entrypoint, *args: Any) -> dict[in
         result = await supervise(settings, environ, command=ranks.command, cpus=cpus,
                                  embedded=True)
         if result.exit_code != 0:
-            raise group_failure(name, result, ranks)
+            raise child_failed_error(group_failure(name, result, ranks))
         return dict.fromkeys(ranks.global_ranks())
     python = environ.get("PYTHON_EXEC", sys.executable)
     with CallableJob(entrypoint, args, python) as job:
         result = await supervise(settings, environ, command=job.ranks.command, cpus=cpus,
                                  embedded=True)
         if result.exit_code != 0:
-            raise group_failure(name, result, job.ranks)
+            raise child_failed_error(group_failure(name, result, job.ranks))
         return job.results()
 
 

@@ -44,6 +44,7 @@ from supervisor.controller import (
 from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads
 from supervisor.core.snapshot import ProgressTable
+from supervisor.discovery import announce, local_url
 from supervisor.events import EventLog
 from supervisor.health.looplag import LoopLag
 from supervisor.logsetup import configure_logging
@@ -153,13 +154,22 @@ async def supervise(
     timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
     sock: socket.socket | None = None
     rendezvous: Rendezvous | None = None
+    events: EventLog  # both made below, before any task runs (the hook's only callers)
+    view: ReadModel  # it reads the goodput ledger, which asks it to publish
+
+    def on_etcd_event(kind: str, **fields: Any) -> None:
+        """An etcd outage, its end, a replaced lease: logged and shown in /status. Only
+        the rendezvous's tasks call it (connect() reports nothing), started below."""
+        events.emit(kind, **fields)
+        view.publish()
+
     try:
         if timer_file is not None:
             check_timer_file(timer_file)
         # bound before anything joins a rendezvous: a busy or unusable port ends the start
         # here, with one line, instead of after this node was counted in by the others
         sock = None if settings.no_health else open_health_socket(settings)
-        rendezvous = make_rendezvous(settings, run_id, runtime.path)
+        rendezvous = make_rendezvous(settings, run_id, runtime.path, on_event=on_etcd_event)
         settings = conf_barrier_timeout(settings, rendezvous)
         await connect_rendezvous(rendezvous, handle_signals=not embedded)
     except BaseException:
@@ -183,8 +193,9 @@ async def supervise(
     cookie = uuid.uuid4().hex
     # the guardian also removes the runtime directory if we die (a SIGKILL skips cleanup)
     guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None)
-    # a rank's first output line is progress when it posts no deadlines (ProgressTable)
-    output.on_first_line = lambda local_rank: progress.touch_output(local_rank, time.monotonic())
+    # a line matching --progress-pattern is progress when a rank posts no deadlines
+    output.on_progress_line = lambda local_rank: progress.touch_output(local_rank,
+                                                                       time.monotonic())
     send, receive = anyio.create_memory_object_stream[sm.Event | ForwardSignal | ReopenLogs](
         max_buffer_size=4096
     )
@@ -199,7 +210,6 @@ async def supervise(
         sweep_adopted=not embedded, command=command, cpus=cpus,
     )
     policy = restart_policy(settings)
-    view: ReadModel  # made next: it reads the recorder's ledger, which asks it to publish
     goodput = GoodputRecorder(
         events, progress, started=time.monotonic(), bound=settings.progress_timeout,
         republish=lambda: view.publish(), shown=group.shown_attempt,
@@ -212,14 +222,6 @@ async def supervise(
         members_checked=rendezvous.capabilities.coordinates_nodes or settings.max_nodes == 1,
     )
     hub = view.hub
-    if etcd is not None:  # outages, their end and replaced leases: logged, in /status
-        emit = events.emit
-
-        def on_etcd_event(kind: str, **fields: Any) -> None:
-            emit(kind, **fields)
-            view.publish()
-
-        etcd.on_event = on_etcd_event
     observers: list[Observer] = [_StopNotice(reporter), goodput]
     controller = Controller(
         settings, rendezvous, group=group, view=view, policy=policy, events=events,
@@ -253,6 +255,7 @@ async def supervise(
             controller.attach(_WatchdogHooks(watchdog, dstate))
             if sock is not None:
                 port = sock.getsockname()[1]
+                announce(runtime.path, local_url(settings.health_host, port), run_id)  # status
                 logger.info("health endpoint on http://%s:%d", settings.health_host, port)
                 events.emit("health_listening", host=settings.health_host, port=port)
                 tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog, goodput,
@@ -401,7 +404,8 @@ async def serve_when_launched(
     from supervisor.health.metrics import Metrics
     from supervisor.health.server import serve_health
 
-    metrics = Metrics(started=controller.started)
+    metrics = Metrics(started=controller.started,
+                      watchdog=watchdog.stats if watchdog is not None else None)
     controller.attach_late(metrics)
     etcd = controller.rendezvous.etcd_service()
     if etcd is not None:
@@ -412,8 +416,6 @@ async def serve_when_launched(
     metrics.watch_event_log(controller.events)
     metrics.watch_output(controller.output.loss)
     goodput.attach_metrics(metrics)
-    if watchdog is not None:
-        watchdog.metrics = metrics
     serve = functools.partial(serve_health, sock=sock)
     await tg.start(
         serve, "", 0, lambda: hub.current, controller.progress, metrics, lag.current

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from supervisor import __version__
+from supervisor.abbrev import AmbiguousFlag, expand_abbreviations
 from supervisor.config import ConfigError, Settings, build, from_environ, load_file, to_toml_dict
 from supervisor.workers.output import OutputPlan, OutputSpecError
 
@@ -39,12 +40,14 @@ def _run_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="elastic-supervisor run",
         usage="%(prog)s [FLAGS] [--] SCRIPT [ARGS...]",
-        allow_abbrev=False,  # a script's own flags must never be taken as abbreviations of ours
+        # a script's own flags must never be taken as abbreviations of ours: prefixes are
+        # expanded before the script only (supervisor.abbrev)
+        allow_abbrev=False,
         description="Run a worker group under supervision (torchrun-compatible flags).",
     )
     # torchrun's flags
     _flag(p, "nnodes", help="N or MIN:MAX nodes (default 1:1)")
-    _flag(p, "nproc-per-node", help="workers per node: N, cpu or auto (default 1)")
+    _flag(p, "nproc-per-node", help="workers per node: N, cpu, gpu or auto (default 1)")
     _flag(p, "node-rank", type=int, help="this node's rank for the static backend")
     _flag(p, "max-restarts", type=int, help="failure restarts before giving up (default 0)")
     _flag(p, "rdzv-backend", help="static (default), c10d, etcd or etcd-v2")
@@ -71,7 +74,8 @@ def _run_parser() -> argparse.ArgumentParser:
           help="LOCAL_RANK=0 and one device per worker")
     _flag(p, "numa-binding", help="node, socket, exclusive or core-complex")
     _flag(p, "event-log-handler", help="accepted for torchrun compatibility; see --event-log")
-    _flag(p, "logs-specs", help="not supported (torchrun LogsSpecs plugins)")
+    _flag(p, "logs-specs",
+          help="default (torch's DefaultLogsSpecs): our own log layout; plugins refused")
     _flag(p, "signals-to-handle",
           help="accepted; TERM/INT/QUIT stop, HUP reopens logs, USR1/USR2 are forwarded")
     _flag(p, "run-path", action="store_const", const=True, help="run the script with runpy")
@@ -85,6 +89,8 @@ def _run_parser() -> argparse.ArgumentParser:
     _flag(p, "health-port", type=int, help="health endpoint port (default 29480, 0 = any)")
     _flag(p, "no-health", action="store_const", const=True, help="do not serve HTTP")
     _flag(p, "progress-timeout", type=float, help="liveness fails after this much silence (60 s)")
+    _flag(p, "progress-pattern",
+          help="regex: a worker output line matching it is progress (goodput, readiness)")
     _flag(p, "ready-when", help="launched or progress (default): when /readyz turns 200")
     _flag(p, "timer-file", help="deadline FIFO path (default: private runtime dir)")
     _flag(p, "no-watchdog", action="store_const", const=True, help="no deadline FIFO")
@@ -123,7 +129,12 @@ def _int_csv(text: str) -> list[int]:
 
 def parse_run_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     """Turn ``run`` arguments plus the environment into validated Settings."""
-    ns = vars(_run_parser().parse_args(list(argv)))
+    parser = _run_parser()
+    try:
+        argv = expand_abbreviations(argv, _takes_value(parser))
+    except AmbiguousFlag as exc:
+        parser.error(str(exc))
+    ns = vars(parser.parse_args(argv))
     file_layer: dict[str, Any] = {}
     if "config_file" in ns:
         file_layer = load_file(ns.pop("config_file"))
@@ -131,6 +142,13 @@ def parse_run_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     if args and args[0] == "--":
         ns["training_script_args"] = args[1:]
     return build(file_layer, from_environ(environ), ns)
+
+
+def _takes_value(parser: argparse.ArgumentParser) -> dict[str, bool]:
+    """Every option string of ``parser`` -> whether it takes a separate value."""
+    # argparse keeps its actions in a private list; it is the only place that says this
+    return {option: action.nargs != 0
+            for action in parser._actions for option in action.option_strings}
 
 
 def _check_config(argv: Sequence[str]) -> int:

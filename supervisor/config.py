@@ -18,9 +18,8 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-
-class ConfigError(Exception):
-    """A bad setting: the message is one line naming the key and what is wrong."""
+from supervisor.errors import ConfigError as ConfigError
+from supervisor.rendezvous.registry import BACKENDS
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -42,7 +41,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     virtual_local_rank: bool = False
     numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = None
     # rendezvous
-    rdzv_backend: str = "static"  # one of RDZV_BACKENDS
+    rdzv_backend: str = "static"  # a name in rendezvous/registry.py's BACKENDS
     rdzv_endpoint: str = ""
     rdzv_id: str = "none"
     rdzv_conf: str = ""
@@ -68,7 +67,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     duplicate_stderr_filters: list[str] = msgspec.field(default_factory=list)
     event_log: str | None = None
     event_log_handler: str = "null"  # torchrun's; our events always go to the JSONL log
-    logs_specs: str | None = None  # torchrun's LogsSpecs plugin: not supported
+    logs_specs: str | None = None  # torchrun's LogsSpecs: only its default (our own layout)
     signals_to_handle: str = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # accepted and validated
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "text", "json"] = "auto"
@@ -77,6 +76,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     health_port: int | None = None  # None: DEFAULT_HEALTH_PORT, or a free port if it is busy
     no_health: bool = False
     progress_timeout: float = 60.0
+    progress_pattern: str | None = None  # output lines that are progress (regex)
     # /readyz: 200 at launch, or only once every rank expected to progress did (health.py)
     ready_when: Literal["launched", "progress"] = "progress"
     timer_file: str | None = None
@@ -108,10 +108,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 DEFAULT_HEALTH_PORT: Final = 29480  # used when no flag, file or variable names a port
 
 FIELDS: frozenset[str] = frozenset(Settings.__struct_fields__)
-# static: no server; etcd and etcd-v2: an existing etcd (>= 3.4, our v3 backend for both);
-# c10d: the endpoint's host starts a single-member etcd itself (supervisor.rendezvous.c10d)
-RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
-ETCD_BACKENDS = frozenset({"etcd", "etcd-v2"})
+# the registry's names, in its order (what each backend is: rendezvous/registry.py)
+RDZV_BACKENDS = tuple(BACKENDS)
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False, "": False}
 _LIST_FIELDS = {
@@ -133,8 +131,9 @@ def _nnodes(text: str) -> tuple[int, int]:
 
 def _nproc(text: str) -> int:
     if text in ("cpu", "auto"):
-        # no accelerator support here: torchrun's "auto" also falls back to the CPU count
-        return os.cpu_count() or 1
+        # no accelerator support here: torchrun's "auto" also falls back to the CPU count,
+        # counted as torch 2.13's cpu_count does: the CPUs this process may run on
+        return len(os.sched_getaffinity(0)) or 1
     if text == "gpu":
         raise ConfigError("nproc_per_node: 'gpu' needs CUDA devices, none visible")
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
@@ -236,6 +235,7 @@ def _validation_message(text: str) -> str:
 def validate(s: Settings) -> None:
     """Range and cross-field checks msgspec's types cannot express."""
     s.min_nodes, s.local_world_size, s.backoff  # noqa: B018  (each raises ConfigError if bad)
+    backend = BACKENDS.get(s.rdzv_backend)
     checks: list[tuple[bool, str]] = [
         (s.max_restarts >= 0, f"max_restarts: must be >= 0, got {s.max_restarts}"),
         (s.node_rank >= 0, f"node_rank: must be >= 0, got {s.node_rank}"),
@@ -251,21 +251,26 @@ def validate(s: Settings) -> None:
          "restart_budget_window: must be > 0 seconds"),
         (bool(s.training_script), "training_script: nothing to run (give a script or command)"),
         (not (s.module and s.no_python), "module: --module and --no-python are mutually exclusive"),
-        (s.rdzv_backend in RDZV_BACKENDS,
+        (backend is not None,
          f"rdzv_backend: unknown backend {s.rdzv_backend!r} (valid: {', '.join(RDZV_BACKENDS)})"),
-        (s.rdzv_backend not in ETCD_BACKENDS or bool(s.rdzv_endpoint),
+        (backend is None or not backend.needs_endpoint or bool(s.rdzv_endpoint),
          f"rdzv_endpoint: the {s.rdzv_backend} backend needs --rdzv-endpoint "
          "host:port[,host:port]"),
-        (s.rdzv_backend != "static" or s.min_nodes == s.max_nodes,
-         f"nnodes: the static backend needs a fixed node count, got {s.nnodes!r}"),
-        (s.rdzv_backend != "static" or s.node_rank < s.max_nodes,
+        (backend is None or backend.coordinates_nodes or s.min_nodes == s.max_nodes,
+         f"nnodes: the {s.rdzv_backend} backend needs a fixed node count, got {s.nnodes!r}"),
+        (backend is None or backend.coordinates_nodes or s.node_rank < s.max_nodes,
          f"node_rank: {s.node_rank} is out of range for {s.max_nodes} node(s)"),
         (s.hang_dump in ("none", "py-spy")
          or s.hang_dump.removeprefix("signal:") in signal.Signals.__members__,
          f"hang_dump: expected none, py-spy or signal:SIGNAME, got {s.hang_dump!r}"),
     ]
-    checks.append((s.logs_specs is None,
-                   "logs_specs: LogsSpecs plugins are not supported; use log_dir, redirects, tee"))
+    if s.logs_specs is not None:
+        from supervisor.torchcompat import default_logs_spec_names
+
+        checks.append((s.logs_specs in default_logs_spec_names(),
+                       f"logs_specs: {s.logs_specs!r} is not torch's default LogsSpecs, and "
+                       "LogsSpecs plugins are not supported; use log_dir, redirects, tee and "
+                       "local_ranks_filter (the default layout)"))
     for name in filter(None, (n.strip() for n in s.signals_to_handle.split(","))):
         known = name in signal.Signals.__members__
         checks.append((known, f"signals_to_handle: unknown signal {name!r}"))
@@ -273,6 +278,11 @@ def validate(s: Settings) -> None:
         ok = all(part.isidentifier() for part in module.split("."))
         checks.append((ok, f"preload: {module!r} is not a module name (e.g. torch,torch._dynamo)"))
     checks.append((s.preload_after >= 0, "preload_after: must be >= 0 seconds"))
+    if s.progress_pattern:
+        try:
+            re.compile(s.progress_pattern)
+        except re.error as exc:
+            checks.append((False, f"progress_pattern: not a regular expression: {exc}"))
     for code in (*s.no_restart_exit_codes, *(s.restart_exit_codes or ())):
         checks.append((0 <= code <= 255, f"no_restart_exit_codes: {code} is not an exit code"))
     for ok, message in checks:
@@ -284,7 +294,8 @@ def advisories(s: Settings) -> list[tuple[int, str]]:
     """(logging level, line) for valid settings that have no effect with the chosen
     backend (WARNING), or an effect a user may not expect (INFO); each names the setting."""
     notes: list[tuple[int, str]] = []
-    if s.rdzv_backend == "static":
+    backend = BACKENDS.get(s.rdzv_backend)
+    if backend is not None and not backend.coordinates_nodes:
         if s.rdzv_endpoint:
             notes.append((logging.WARNING,
                           f"rdzv_endpoint: ignored by the static backend ({s.rdzv_endpoint!r}); "
@@ -306,6 +317,18 @@ def advisories(s: Settings) -> list[tuple[int, str]]:
         notes.append((logging.WARNING,
                       f"node_rank: ignored by the etcd backend ({s.node_rank}); "
                       "node ranks are assigned at each rendezvous round"))
+    if s.logs_specs is not None:
+        notes.append((logging.INFO,
+                      f"logs_specs: {s.logs_specs!r} is torch's DefaultLogsSpecs: worker "
+                      "logs follow our own layout, LOG_DIR/RUN_ID/attempt_K/LOCAL_RANK/ "
+                      "(set by log_dir, redirects, tee, local_ranks_filter)"))
+    if s.preload and (s.no_warm_restart or (s.rdzv_backend == "static"
+                                             and s.max_restarts == 0)):
+        why = ("no_warm_restart starts no standbys" if s.no_warm_restart else
+               "max_restarts is 0 and the static backend never restarts for membership, "
+               "so no standby is started; give --max-restarts N")
+        notes.append((logging.WARNING,
+                      f"preload: no effect ({','.join(s.preload)}): {why}"))
     return notes
 
 

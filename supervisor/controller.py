@@ -328,7 +328,7 @@ class Controller:
             logger.error("%s (the supervisor's failure, not the workers': no restart is used)",
                          exc)
             self.events.emit("attempt_prepare_failed", message=str(exc))
-            self._apply(sm.LaunchFailed(decision.attempt, str(exc), time.monotonic()))
+            self._post(sm.LaunchFailed(decision.attempt, str(exc), time.monotonic()))
             return
         self.events.attempt = group.shown_attempt(decision.attempt)  # a taken K was skipped
         self._tg.start_soon(group.supervise, attempt, self.membership.watch)
@@ -343,12 +343,14 @@ class Controller:
         )
         for observer in self.observers:
             observer.on_launch(attempt)
+        # reported through the inbox like any event: behind whatever was queued before
+        # (a shutdown request then meets the launch in STOPPING, an edge of its own)
         now = time.monotonic()
-        self._apply(
+        self._post(
             sm.GroupLaunched(decision.attempt, frozenset(range(layout.local_world_size)), now)
         )
         for local_rank, message in failed_to_start:
-            self._post(sm.WorkerExited(decision.attempt, local_rank, 0, 127, None, now, message))
+            self._post(sm.WorkerFailedToStart(decision.attempt, local_rank, message, now))
         self._launched_once.set()
 
     def _stop(self, decision: sm.StopGroup) -> None:

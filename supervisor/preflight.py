@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, Settings
+from supervisor.rendezvous.registry import BACKENDS
 from supervisor.watchdog.escalate import HangDump, resolve_hang_dump
 from supervisor.watchdog.fifo import FifoError, check_fifo_path
 
@@ -46,7 +47,8 @@ def check_master_addr(settings: Settings) -> None:
     """The static backend hands ``master_addr`` to every worker as MASTER_ADDR: a name that
     does not resolve here is a start-up error; on one node, where the rank-0 worker hosts
     the store, an address of another machine is almost surely a mistake (a warning)."""
-    if settings.rdzv_backend != "static":
+    backend = BACKENDS.get(settings.rdzv_backend)
+    if backend is None or backend.coordinates_nodes:  # MASTER_ADDR comes from a round
         return
     addr = settings.master_addr
     try:

@@ -53,6 +53,11 @@ def main_status(argv: list[str]) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     if ns.rdzv_endpoint or ns.rdzv_id:
         return _job_status(ns)
+    if ns.url is None:
+        chosen = _discovered_url()
+        if chosen is None:
+            return EXIT_USAGE
+        ns.url = chosen
     try:
         url = status_url(ns.url)
     except ValueError as exc:
@@ -73,11 +78,27 @@ def main_status(argv: list[str]) -> int:
     return EXIT_OK
 
 
+def _discovered_url() -> str | None:
+    """The one supervisor on this host (``supervisor.discovery``), else the default URL
+    when none announced itself; None after listing several (the user picks one)."""
+    from supervisor.discovery import find_supervisors
+
+    found = find_supervisors()
+    if len(found) == 1:
+        return found[0].url
+    if not found:
+        return DEFAULT_URL
+    listed = "".join(f"  --url {f.url}   pid {f.pid}, run {f.run_id}\n" for f in found)
+    sys.stderr.write(f"{PROG}: {len(found)} supervisors run on this host; pick one:\n{listed}")
+    return None
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Show the status of a running elastic-supervisor.")
     p.add_argument(
-        "--url", default=DEFAULT_URL,
-        help=f"health endpoint base URL or full /status URL (default {DEFAULT_URL})",
+        "--url", default=None,
+        help="health endpoint base URL or full /status URL (default: the supervisor running "
+             f"on this host; several: they are listed; none found: {DEFAULT_URL})",
     )
     p.add_argument("--json", action="store_true", help="print the raw JSON document")
     p.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="",
@@ -192,7 +213,8 @@ def format_job(run_id: str, rows: Sequence[dict[str, Any]], now_wall: float) -> 
     table: list[tuple[str, ...]] = [_JOB_COLUMNS]
     for row in rows:
         g = goodput_now(row, now_wall)
-        ratio = "-" if g is None else f"{100 * g['ratio']:.1f}%"
+        share = None if g is None else g["ratio"]
+        ratio = ("-" if g is None else "unknown" if share is None else f"{100 * share:.1f}%")
         lost = "-" if g is None else _duration(g["lost"])
         failure = str(row.get("last_failure") or "-")
         table.append((
@@ -227,11 +249,11 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
         f"version {doc.get('version')}, up {_duration(doc.get('uptime'))})",
         f"state       {doc.get('state')}  attempt {doc.get('attempt')}, restarts "
         f"{restarts.get('used')}/{restarts.get('max')} used, {restarts.get('left')} left",
-        f"node        {doc.get('node_rank')} of {doc.get('group_world_size')}, "
-        f"world size {doc.get('world_size')} ({doc.get('local_world_size')} local)",
+        _node_line(doc, bool(members) or rdzv.get("backend") == "static"),
         f"rendezvous  {rdzv.get('backend')} round {rdzv.get('round')}, "
         f"{len(members)} member(s), took {_duration(rdzv.get('duration'))}",
     ]
+    lines.extend(_waiting_lines(rdzv.get("etcd")))
     if doc.get("status"):
         lines.append(f"status      {doc['status']}")
     failure = doc.get("last_failure")
@@ -244,6 +266,30 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
     lines.extend(_readiness_lines(doc.get("readiness")))
     lines.extend(_goodput_lines(doc.get("goodput")))
     return lines
+
+
+def _node_line(doc: dict[str, Any], in_round: bool) -> str:
+    if not in_round:  # "node 0 of 0, world size 0" said nothing
+        return f"node        not in a round yet ({doc.get('local_world_size')} local worker(s))"
+    return (f"node        {doc.get('node_rank')} of {doc.get('group_world_size')}, "
+            f"world size {doc.get('world_size')} ({doc.get('local_world_size')} local)")
+
+
+def _waiting_lines(etcd: object) -> list[str]:
+    """What the rendezvous waits for (``rendezvous.waitreport``), while it waits."""
+    waiting = etcd.get("waiting") if isinstance(etcd, dict) else None
+    if not isinstance(waiting, dict):
+        return []
+    since = waiting.get("since")
+    text = f"waiting     for {waiting.get('what')}"
+    if isinstance(since, int | float):
+        text += f" since {time.strftime('%H:%M:%S', time.localtime(since))}"
+        text += f" ({_duration(max(0.0, time.time() - since))})"
+    if waiting.get("joined") is not None:
+        text += f": {waiting.get('joined')} of {waiting.get('needed')} node(s) joined"
+    if waiting.get("max_nodes") not in (None, waiting.get("needed")):
+        text += f" (max {waiting.get('max_nodes')})"
+    return [text]
 
 
 def _readiness_lines(readiness: object) -> list[str]:
@@ -261,12 +307,17 @@ def _goodput_lines(goodput: object) -> list[str]:
     if not isinstance(goodput, dict):
         return []
     ratio = goodput.get("ratio")
+    unknown = goodput.get("unknown")
+    seen = not (isinstance(unknown, int | float) and unknown > 0)
+    shown = ("unknown" if not seen else "-" if not isinstance(ratio, int | float)
+             else f"{100 * ratio:.1f}%")
     lines = [
-        f"goodput     {'-' if not isinstance(ratio, int | float) else f'{100 * ratio:.1f}%'}"
+        f"goodput     {shown}"
         f" productive of {_duration(goodput.get('wall'))} wall: start-up "
         f"{_duration(goodput.get('startup'))}, productive {_duration(goodput.get('productive'))}"
-        f", lost {_duration(goodput.get('lost'))}, idle {_duration(goodput.get('idle'))}; "
-        f"{goodput.get('failures')} failure(s), {goodput.get('restarts')} restart(s)",
+        f", lost {_duration(goodput.get('lost'))}, idle {_duration(goodput.get('idle'))}"
+        + ("" if seen else f", unknown {_duration(unknown)} (no progress signal)")
+        + f"; {goodput.get('failures')} failure(s), {goodput.get('restarts')} restart(s)",
     ]
     by_cause = goodput.get("lost_by_cause")
     lost = {k: v for k, v in by_cause.items() if v} if isinstance(by_cause, dict) else {}
@@ -319,6 +370,8 @@ def _dash(value: object) -> str:
 
 
 def _duration(seconds: object) -> str:
+    if seconds == "unknown":  # a phase no progress signal let the supervisor see
+        return "unknown"
     if not isinstance(seconds, int | float):
         return "-"
     if seconds < 1:

@@ -132,13 +132,15 @@ class ReadModel:
         return None
 
     def on_stale(self, event: sm.Event) -> None:
-        """An earlier attempt's event, dropped: logged and counted (``stale_events``)."""
+        """An earlier attempt's event, dropped: logged and counted (``stale_events`` in
+        ``/status``, ``elastic_supervisor_stale_events_dropped_total`` in ``/metrics``)."""
         self.stale_events += 1
         logger.debug("dropping stale %s", event)
         attempt = event.attempt if isinstance(event, sm.AttemptEvent) else None
         self.events.emit("stale_event_dropped", dropped=type(event).__name__,
                          of_attempt=None if attempt is None else self.group.shown_attempt(attempt),
                          count=self.stale_events)
+        self.publish()  # /status and /metrics show the count
 
     def on_round(self, result: RendezvousResult) -> None:
         """A rendezvous round completed (members, master: shown in ``/status``)."""
@@ -197,6 +199,7 @@ class ReadModel:
             exit_code=s.exit_code,
             goodput=self.goodput.ledger() if self.goodput is not None else None,
             ready_when=self.settings.ready_when,
+            stale_events=self.stale_events,
         )
 
     def status_line(self) -> str:

@@ -14,17 +14,24 @@ Wall time is cut into consecutive segments, each of one kind:
 - **lost**, by cause: from a failure (for a hang or D state: from the rank's last
   progress, not from the moment it was noticed) until progress resumed, i.e. every
   awaited rank of the new attempt showed progress again;
-- **idle**: neither (waiting at the exit barrier, stopping for a shutdown, after the end).
+- **idle**: neither (waiting at the exit barrier, stopping for a shutdown, after the end);
+- **unknown**: after a launch, while no rank of the attempt has a progress signal: the
+  time may be productive or still lost to the last failure, nobody can tell.
 
-Progress means what ``ProgressTable`` says it means (a deadline post, else a first
-output line); the accountant hears each rank's first progress per attempt. Which ranks
+Progress means what ``ProgressTable`` says it means (a deadline post or heartbeat, or a
+line matching ``--progress-pattern``); the accountant hears each rank's first progress per
+attempt. Which ranks
 are awaited after a launch: every rank that may have a progress signal, i.e. all but
 those known to have none. A rank is known to have none once an attempt ran
 ``bound`` seconds (the progress timeout) past its launch without the rank showing any;
 it is known to have one once it showed progress. When the bound passes with awaited
 ranks still silent, the attempt counts as progressing from the last first-progress of
 the ranks that did show some (or from its launch if none did), and the record lists the
-silent ranks as ``missing``.
+silent ranks as ``missing``. When no awaited rank has a signal at all (none ever showed
+progress in this run), nothing says when the attempt began to progress: from its launch
+the time is **unknown**, and so is the record's resumption (outcome ``unknown``: its
+``lost`` is None, ``lost_at_least`` the part until the relaunch). A run with unknown time
+has no goodput ratio.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ class Kind(enum.Enum):
     PRODUCTIVE = "productive"
     LOST = "lost"
     IDLE = "idle"
+    UNKNOWN = "unknown"  # no rank has a progress signal: productive or lost, unseen
 
 
 class Outcome(enum.Enum):
@@ -61,6 +69,7 @@ class Outcome(enum.Enum):
     RECOVERED = "recovered"  # every awaited rank showed progress again
     FAILED_AGAIN = "failed_again"  # another failure came before progress resumed
     ENDED = "ended"  # the run ended (gave up, shutdown) before progress resumed
+    UNKNOWN = "unknown"  # relaunched, but no rank has a signal: resumption not seen
 
 
 class Recovery(msgspec.Struct, frozen=True):
@@ -84,8 +93,16 @@ class Recovery(msgspec.Struct, frozen=True):
 
     @property
     def lost(self) -> float | None:
-        """Seconds from the failure to the end of the record (None while open)."""
-        return None if self.ended_at is None else self.ended_at - self.failed_at
+        """Seconds from the failure to the end of the record (None while open, or when
+        the resumption was not seen)."""
+        if self.ended_at is None or self.outcome is Outcome.UNKNOWN:
+            return None
+        return self.ended_at - self.failed_at
+
+    @property
+    def lost_at_least(self) -> float | None:
+        """What is known to be lost when the resumption was not seen: until the relaunch."""
+        return _minus(self.launched_at, self.failed_at)
 
     def phases(self) -> dict[str, float | None]:
         """Durations: failure->noticed, ->group stopped, ->new group launched, ->resumed."""
@@ -107,6 +124,7 @@ class Ledger(msgspec.Struct, frozen=True):
     startup: float = 0.0  # closed segments' sums
     productive: float = 0.0
     idle: float = 0.0
+    unknown: float = 0.0
     lost: tuple[tuple[str, float], ...] = ()
     ended_at: float | None = None
     failures: int = 0
@@ -129,11 +147,13 @@ class Totals(msgspec.Struct, frozen=True):
     idle: float
     failures: int
     restarts: int
+    unknown: float = 0.0
 
     @property
     def ratio(self) -> float | None:
-        """Effective training time ratio: productive / wall (None before any time passed)."""
-        return self.productive / self.wall if self.wall > 0 else None
+        """Effective training time ratio: productive / wall (None before any time passed,
+        or when some of it is unknown: no rank had a progress signal)."""
+        return self.productive / self.wall if self.wall > 0 and self.unknown == 0 else None
 
 
 def totals(ledger: Ledger, now: float) -> Totals:
@@ -144,6 +164,7 @@ def totals(ledger: Ledger, now: float) -> Totals:
     sums[Kind.STARTUP] = ledger.startup
     sums[Kind.PRODUCTIVE] = ledger.productive
     sums[Kind.IDLE] = ledger.idle
+    sums[Kind.UNKNOWN] = ledger.unknown
     lost = dict(ledger.lost)
     if ledger.kind is Kind.LOST:
         cause = ledger.cause or "other"
@@ -159,6 +180,7 @@ def totals(ledger: Ledger, now: float) -> Totals:
         idle=sums[Kind.IDLE],
         failures=ledger.failures,
         restarts=ledger.restarts,
+        unknown=sums[Kind.UNKNOWN],
     )
 
 
@@ -175,7 +197,7 @@ class Accountant:
         self._kind = Kind.STARTUP
         self._cause: str | None = None
         self._since = started_at
-        self._sums = {Kind.STARTUP: 0.0, Kind.PRODUCTIVE: 0.0, Kind.IDLE: 0.0}
+        self._sums = {Kind.STARTUP: 0.0, Kind.PRODUCTIVE: 0.0, Kind.IDLE: 0.0, Kind.UNKNOWN: 0.0}
         self._lost = dict.fromkeys(CAUSES, 0.0)
         self._ended: float | None = None
         self._signals: dict[int, str] = {}  # absent: unknown
@@ -218,6 +240,10 @@ class Accountant:
             return []
         self._first[local_rank] = at
         self._signals[local_rank] = SIGNAL_YES
+        if self._kind is Kind.UNKNOWN:  # a signal at last: from here on it is seen
+            self._close_segment(at, Outcome.ENDED)
+            self._kind, self._cause, self._since = Kind.PRODUCTIVE, None, max(at, self._since)
+            return []
         return self._settle(at, force=False)
 
     def failed(
@@ -270,6 +296,8 @@ class Accountant:
         if self._ended is not None:
             return []
         closed = self._settle(at, force=True) if settle and self._running else []
+        if self._blind_wait():  # stopped before anything could be seen
+            closed += self._unseen(at)
         closed += self._close_segment(at, Outcome.ENDED)
         self._kind, self._cause, self._since = Kind.IDLE, None, max(at, self._since)
         self._running = self._waiting = False
@@ -304,7 +332,8 @@ class Accountant:
         return Ledger(
             started_at=self._started, kind=self._kind, since=self._since, cause=self._cause,
             startup=self._sums[Kind.STARTUP], productive=self._sums[Kind.PRODUCTIVE],
-            idle=self._sums[Kind.IDLE], lost=tuple(self._lost.items()),
+            idle=self._sums[Kind.IDLE], unknown=self._sums[Kind.UNKNOWN],
+            lost=tuple(self._lost.items()),
             ended_at=self._ended, failures=self._failures,
             restarts=max(0, self._launches - 1), attempt=self._attempt,
             launched_at=self._launched_at,
@@ -327,6 +356,8 @@ class Accountant:
             for rank in pending - missing:
                 self._signals[rank] = SIGNAL_NONE
         seen = [self._first[r] for r in self._awaited if r in self._first]
+        if not seen and not missing:  # no rank has a signal: when it resumed is not seen
+            return self._unseen(now)
         resumed = max(max(seen, default=self._launched_at), self._since)
         self._waiting = False
         closed: list[Recovery] = []
@@ -336,6 +367,29 @@ class Accountant:
             self._add_lost(resumed)
             closed.append(self._close_record(resumed, Outcome.RECOVERED, resumed, missing))
         self._kind, self._cause, self._since = Kind.PRODUCTIVE, None, resumed
+        return closed
+
+    def _blind_wait(self) -> bool:
+        """Waiting for progress that no rank of the attempt can show (no signal known)."""
+        return (self._waiting and self._running and not self._first
+                and not any(self._signals.get(r) == SIGNAL_YES for r in self._ranks))
+
+    def _unseen(self, now: float) -> list[Recovery]:
+        """From the launch on, the time is unknown; an open record ends ``unknown``."""
+        assert self._launched_at is not None
+        launched = min(max(self._launched_at, self._since), now)
+        self._waiting = False
+        closed: list[Recovery] = []
+        if self._kind is Kind.STARTUP:
+            self._sums[Kind.STARTUP] += launched - self._since
+        elif self._kind is Kind.LOST:
+            self._add_lost(launched)
+            if self._open is not None:
+                closed.append(self._close_record(launched, Outcome.UNKNOWN, None, frozenset()))
+        elif self._kind is not Kind.UNKNOWN:
+            self._sums[self._kind] += launched - self._since
+        if self._kind is not Kind.UNKNOWN:
+            self._kind, self._cause, self._since = Kind.UNKNOWN, None, launched
         return closed
 
     def _close_segment(self, at: float, outcome: Outcome) -> list[Recovery]:

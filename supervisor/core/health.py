@@ -26,8 +26,10 @@ from typing import Any
 import msgspec
 
 from supervisor import __version__
-from supervisor.core.goodput import Ledger, Recovery, totals
+from supervisor.core.goodput import Ledger, Outcome, Recovery, totals
 from supervisor.core.snapshot import FailureView, RendezvousView, Snapshot, WorkerView
+
+UNKNOWN = "unknown"  # a phase or figure no progress signal let us see
 
 DEFAULT_MAX_LOOP_LAG = 5.0
 """Seconds of event-loop lag above which the supervisor is reported not live."""
@@ -148,7 +150,8 @@ def ready_and_live(
     ready = readiness(snapshot, shown=shown, expected=expected, now_mono=now_mono)
     if not ready.ok:
         return ready
-    return liveness(snapshot, progress, now_mono, loop_lag, max_loop_lag=max_loop_lag)
+    live = liveness(snapshot, progress, now_mono, loop_lag, max_loop_lag=max_loop_lag)
+    return live if not live.ok else ready  # a ready body says "running", not "alive"
 
 
 # ------------------------------------------------------------------------------ status
@@ -202,6 +205,7 @@ def status_document(
         "started_at": snapshot.started_at_wall,
         "uptime": _round(uptime),
         "snapshot_age": _round(max(0.0, now_mono - snapshot.published_at)),
+        "stale_events": snapshot.stale_events,
     }
 
 
@@ -266,6 +270,7 @@ def goodput_json(
         "lost": _round(t.lost),
         "lost_by_cause": {k: _round(v) for k, v in t.lost_by_cause.items()},
         "idle": _round(t.idle),
+        "unknown": _round(t.unknown),
         "ratio": None if t.ratio is None else round(t.ratio, 4),
         "failures": t.failures,
         "restarts": t.restarts,
@@ -287,6 +292,11 @@ def recovery_json(
         return None if mono is None or offset is None else round(mono + offset, 6)
 
     lost = record.lost
+    unseen = record.outcome is Outcome.UNKNOWN  # no progress signal: say so, not a figure
+    phases: dict[str, float | str | None] = {
+        k: None if v is None else round(v, 6) for k, v in record.phases().items()}
+    if unseen:
+        phases["resume"] = UNKNOWN
     return {
         "number": record.number,
         "cause": record.cause,
@@ -298,13 +308,18 @@ def recovery_json(
         "stopped_at": wall(record.stopped_at),
         "launched_at": wall(record.launched_at),
         "resumed_at": wall(record.resumed_at),
-        "phases": {k: None if v is None else round(v, 6) for k, v in record.phases().items()},
-        "lost": None if lost is None else round(lost, 6),
+        "phases": phases,
+        "lost": UNKNOWN if unseen else None if lost is None else round(lost, 6),
+        "lost_at_least": _round6(record.lost_at_least) if unseen else None,
         "awaited": list(record.awaited),
         "missing": list(record.missing),
         "no_signal": list(record.no_signal),
         "message": record.message or None,
     }
+
+
+def _round6(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
 
 
 def _round(value: float | None) -> float | None:

@@ -104,6 +104,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     # goodput and readiness (supervisor.core.goodput, health.readiness)
     goodput: Ledger | None = None
     ready_when: str = "launched"  # "launched" or "progress"
+    stale_events: int = 0  # earlier attempts' events dropped so far (core.state.is_stale)
 
 
 ProgressListener = Callable[[int, int, float], None]
@@ -115,13 +116,17 @@ class ProgressTable:
 
     One definition of progress, used by liveness, readiness and goodput alike: a deadline
     post or heartbeat (``touch``, from the watchdog); for a rank that never posted one in
-    this run, its first output line (``touch_output``, from the output pumps, only when
-    its output passes through the supervisor). Otherwise a rank has no progress signal.
+    this run, its first output line matching ``--progress-pattern`` (``touch_output``, from
+    the output pumps, only when its output passes through the supervisor). A bare first
+    line is not progress: a real torch job prints while it starts (torch's warnings during
+    ``import torch``, a script's "starting" line; a warm standby prints at once), so it
+    would mark a rank progressing seconds before it trains. Otherwise a rank has no
+    progress signal, and goodput says "unknown" for what it cannot see.
 
     Written only by the watchdog and the output pumps; read by the health verdicts.
     ``reset`` is called by the controller when a new attempt launches so stale ranks are
     not judged. Only deadline posts age into "no progress for N s" (``view``): a rank that
-    printed one line is not expected to print more.
+    printed one matching line is not expected to print more.
     """
 
     def __init__(self) -> None:
@@ -149,7 +154,7 @@ class ProgressTable:
             self._shown(local_rank, now)
 
     def touch_output(self, local_rank: int, now: float) -> None:
-        """The first output line of ``local_rank`` in this attempt, read at ``now``."""
+        """A line of ``local_rank`` matching ``--progress-pattern``, read at ``now``."""
         if local_rank in self._first or local_rank in self._posters:
             return
         self._shown(local_rank, now)

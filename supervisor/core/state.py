@@ -141,6 +141,17 @@ class WorkerExited(msgspec.Struct, frozen=True):
     message: str = ""  # from the worker's error file, if it wrote one
 
 
+class WorkerFailedToStart(msgspec.Struct, frozen=True):
+    """A rank of a launched attempt could not be started (its spawn raised). It fails the
+    attempt as a worker exiting with ``exit_code`` would: 127, the shell's "cannot run"."""
+
+    attempt: int
+    local_rank: int
+    message: str
+    at: float
+    exit_code: int = 127
+
+
 class DeadlineExpired(msgspec.Struct, frozen=True):
     attempt: int
     local_rank: int
@@ -197,6 +208,7 @@ Event = (
     | LaunchFailed
     | GroupLaunched
     | WorkerExited
+    | WorkerFailedToStart
     | DeadlineExpired
     | WorkerUnhealthy
     | RemoteFailure
@@ -299,7 +311,9 @@ class Verdict(enum.Enum):
 
 
 # events that belong to one attempt: once another attempt runs, they are stale
-AttemptEvent = WorkerExited | DeadlineExpired | WorkerUnhealthy | MembershipChanged
+AttemptEvent = (
+    WorkerExited | WorkerFailedToStart | DeadlineExpired | WorkerUnhealthy | MembershipChanged
+)
 
 
 def is_stale(state: State, event: Event) -> bool:
@@ -363,6 +377,14 @@ def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State
             return _on_launch_failed(state, event)
         case Phase.RUNNING, WorkerExited():
             return _on_exit_running(state, event)
+        # RUNNING -> STOPPING(failure): a rank that could not start fails like an exit
+        case Phase.RUNNING, WorkerFailedToStart():
+            failure = Failure(
+                FailureKind.EXITED, event.attempt, event.at, event.local_rank,
+                exit_code=event.exit_code, message=event.message,
+            )
+            running = state.running - {event.local_rank}
+            return _stop_for(replace(state, running=running), StopReason.FAILURE, failure)
         case Phase.RUNNING, DeadlineExpired():
             msg = f"deadline '{event.scope}' expired {event.late:.3f} s ago"
             failure = Failure(
@@ -382,8 +404,16 @@ def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State
         case Phase.RUNNING, MembershipChanged():
             return _stop_for(state, StopReason.MEMBERSHIP, None)
         # while stopping, exits are expected and deadlines are moot
-        case Phase.STOPPING, WorkerExited():
+        case Phase.STOPPING, WorkerExited() | WorkerFailedToStart():
             return replace(state, running=state.running - {event.local_rank}), Nothing()
+        # STOPPING: a stop decided while the launch's report was queued behind it (a
+        # shutdown request that came first); that stop ends the new group as well, so
+        # follow its attempt (its exits are then current, not stale) and keep stopping
+        case Phase.STOPPING, GroupLaunched():
+            return replace(state, attempt=event.attempt, running=event.local_ranks), Nothing()
+        # STOPPING: the attempt being launched could not be prepared; nothing was started
+        case Phase.STOPPING, LaunchFailed():
+            return state, Nothing()
         case Phase.STOPPING, DeadlineExpired() | MembershipChanged() | RemoteFailure():
             return state, Nothing()
         case Phase.STOPPING, GroupStopped():

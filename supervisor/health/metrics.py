@@ -4,9 +4,10 @@ Two kinds of series:
 
 - **Counters and histograms of events.** ``Metrics`` plugs into the code that sees them
   through the narrow seams that code already has: it is a controller ``Observer``
-  (``on_transition`` counts worker exits, failures, restarts and rendezvous rounds) and
-  a watchdog ``WatchdogMetrics`` (``request_accepted``, ``request_rejected``,
-  ``deadline_expired``). The HTTP server counts its own requests.
+  (``on_transition`` counts worker exits, failures, restarts and rendezvous rounds). The
+  HTTP server counts its own requests. Counts kept by their owners, which exist (and
+  count) before the metrics do, are read at scrape time: the watchdog's ``WatchdogStats``
+  (given at construction), loop stalls, event-log and output losses (``watch_*``).
 - **Gauges of current state** (phase, workers up, attempt, restarts, world size, loop
   lag, last progress age per rank). These are derived at scrape time from the published
   snapshot by ``observe``, so they can never drift from what ``/status`` says.
@@ -17,6 +18,7 @@ test process, and the global registry would mix them.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
@@ -31,6 +33,7 @@ from supervisor.core import health
 from supervisor.core import state as sm
 from supervisor.core.goodput import CAUSES, Ledger, totals
 from supervisor.core.snapshot import Snapshot
+from supervisor.watchdog.timers import WatchdogStats
 
 if TYPE_CHECKING:
     from supervisor.workers.spawn import Start
@@ -91,16 +94,29 @@ def _counter_family(name: str, doc: str, value: float) -> Metric:
     return CounterMetricFamily(f"{NAMESPACE}_{name}", doc, value=value)
 
 
+def _labelled_counters(name: str, doc: str, label: str, values: Mapping[str, int]) -> Metric:
+    family = CounterMetricFamily(f"{NAMESPACE}_{name}", doc, labels=(label,))
+    for key, value in sorted(values.items()):
+        family.add_metric((key,), value)
+    return family
+
+
 class Metrics:
     """All metrics of one supervisor; ``render()`` gives the Prometheus text."""
 
     content_type = CONTENT_TYPE_PLAIN_0_0_4
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, *, started: float | None = None
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        started: float | None = None,
+        watchdog: WatchdogStats | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._clock = clock
+        # the watchdog's own counts (it counts before the metrics exist), else ours
+        self._watchdog = watchdog if watchdog is not None else WatchdogStats()
         # the supervisor starts in RENDEZVOUS: the first round is timed from its start
         # (``started``, when the metrics are created later and replay the transitions)
         self._rendezvous_since = clock() if started is None else started
@@ -154,17 +170,26 @@ class Metrics:
             "http_connections_evicted",
             "Health connections closed at the connection cap before sending a request.",
         )
+        # counted by the read model (it exists before the metrics): read from the snapshot
+        self._stale_events = 0
+        self.registry.register(_Pulled(lambda: [_counter_family(
+            "stale_events_dropped", "Events of an earlier attempt dropped (a late exit or "
+            "deadline of a group already replaced).", self._stale_events)]))
 
     def _make_watchdog_counters(self) -> None:
-        self.watchdog_accepted = self._counter(
-            "watchdog_accepted_requests", "Watchdog FIFO requests accepted."
-        )
-        self.watchdog_rejected = self._counter(
-            "watchdog_rejected_requests", "Watchdog FIFO requests dropped, by reason.", ("reason",)
-        )
-        self.deadline_expirations = self._counter(
-            "deadline_expirations", "Watchdog deadlines that expired, by outcome.", ("outcome",)
-        )
+        counts = self._watchdog
+
+        def read() -> Iterable[Metric]:
+            yield _counter_family("watchdog_accepted_requests",
+                                  "Watchdog FIFO requests accepted.", counts.accepted)
+            yield _labelled_counters("watchdog_rejected_requests",
+                                     "Watchdog FIFO requests dropped, by reason.", "reason",
+                                     counts.rejected)
+            yield _labelled_counters("deadline_expirations",
+                                     "Watchdog deadlines that expired, by outcome.", "outcome",
+                                     counts.expired)
+
+        self.registry.register(_Pulled(read))
 
     def _make_state_gauges(self) -> None:
         self.state = EnumMetric(
@@ -221,7 +246,7 @@ class Metrics:
         self, old: sm.State, new: sm.State, event: sm.Event, decision: sm.Decision
     ) -> None:
         """Count what one state-machine step means (called by the controller after it)."""
-        if isinstance(event, sm.WorkerExited):
+        if isinstance(event, sm.WorkerExited | sm.WorkerFailedToStart):
             self.record_worker_exit(_exit_outcome(old, event))
         if isinstance(event, sm.LaunchFailed):
             self.prepare_failures.inc()
@@ -254,15 +279,15 @@ class Metrics:
 
     def request_accepted(self) -> None:
         """A watchdog request was accepted (it counts as worker progress)."""
-        self.watchdog_accepted.inc()
+        self._watchdog.request_accepted()
 
     def request_rejected(self, reason: str) -> None:
         """A watchdog request was dropped (malformed, oversized, unknown pid, ...)."""
-        self.watchdog_rejected.labels(reason).inc()
+        self._watchdog.request_rejected(reason)
 
     def deadline_expired(self, outcome: str) -> None:
         """A watchdog deadline expired; ``outcome`` says what became of the worker."""
-        self.deadline_expirations.labels(outcome).inc()
+        self._watchdog.deadline_expired(outcome)
 
     # ------------------------------------------------------------ direct recording
 
@@ -341,6 +366,7 @@ class Metrics:
         self.restarts_left.set(snapshot.restarts_left)
         self.world_size.set(snapshot.world_size)
         self.rendezvous_round.set(snapshot.rendezvous.round)
+        self._stale_events = snapshot.stale_events
         self.loop_lag.set(loop_lag)
         self._observe_progress(progress, now_mono)
         self.goodput.observe(snapshot.goodput, now_mono)
@@ -433,9 +459,11 @@ class GoodputCollector(Collector):
         )
         for cause in CAUSES:
             lost.add_metric((cause,), t.lost_by_cause.get(cause, 0.0) if t else 0.0)
+        # NaN when some time is unknown (no rank had a progress signal): no made-up figure
+        value = (math.nan if t.unknown > 0 else t.ratio or 0.0) if t else 0.0
         ratio = GaugeMetricFamily(
             f"{NAMESPACE}_goodput_ratio", "Effective training time ratio: productive / wall.",
-            value=(t.ratio or 0.0) if t else 0.0,
+            value=value,
         )
         return [
             counter("productive_seconds", "Wall time with every awaited rank progressing.",
@@ -446,12 +474,16 @@ class GoodputCollector(Collector):
                     "shutdown).", t.idle if t else 0.0),
             counter("wall_seconds", "Wall time accounted since the supervisor started.",
                     t.wall if t else 0.0),
+            counter("unknown_seconds", "Wall time after a launch while no rank had a "
+                    "progress signal (productive or lost: not seen).", t.unknown if t else 0.0),
             lost,
             ratio,
         ]
 
 
-def _exit_outcome(old: sm.State, event: sm.WorkerExited) -> str:
+def _exit_outcome(old: sm.State, event: sm.WorkerExited | sm.WorkerFailedToStart) -> str:
+    if isinstance(event, sm.WorkerFailedToStart):
+        return "stopped" if old.phase is sm.Phase.STOPPING else "failed"  # as exit 127
     if event.exit_code == 0:
         return "succeeded"
     if old.phase is sm.Phase.STOPPING:

@@ -54,9 +54,11 @@ from supervisor.rendezvous.base import (
     RendezvousError,
     RendezvousResult,
 )
+from supervisor.rendezvous.conf import read_conf
 from supervisor.rendezvous.etcd import (
     EtcdRendezvous,
     EtcdRendezvousConfig,
+    EventHook,
     RendezvousConfigError,
     make_config,
 )
@@ -80,6 +82,7 @@ _TORCHRUN_KEYS = ("join_timeout", "timeout", "last_call_timeout", "close_timeout
                   "read_timeout", "is_host")
 _ETCD_KEYS = ("lease_ttl", "exit_barrier_timeout", "request_timeout", "outage_limit",
               "node_id")
+_ETCD_ONLY_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file")
 _TRUE, _FALSE = ("1", "true", "t", "yes", "y"), ("0", "false", "f", "no", "n")
 
 
@@ -134,12 +137,14 @@ def _split_conf(text: str) -> tuple[dict[str, str], str]:
     """(c10d-only keys, the rest as ``k=v,...`` for the etcd backend's parser)."""
     own: dict[str, str] = {}
     passed: list[str] = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = (x.strip() for x in item.partition("="))
-        _check(bool(sep and key), f"--rdzv-conf: expected key=value, got {item!r}")
-        _check(key in _TORCHRUN_KEYS or key in _ETCD_KEYS,
-               f"--rdzv-conf: unknown key {key!r} for c10d "
-               f"(known: {', '.join(sorted(_TORCHRUN_KEYS + _ETCD_KEYS))})")
+    read = read_conf(text, _TORCHRUN_KEYS + _ETCD_KEYS + _ETCD_ONLY_KEYS, "c10d")
+    for warning in read.warnings:  # unknown keys are ignored, as torchrun ignores them
+        logger.warning("%s", warning)
+    for key, value in read.items:
+        # known, but meaningless for the hosted etcd: refused, never silently dropped
+        # (a TLS or password setting that does nothing would be worse than an error)
+        _check(key not in _ETCD_ONLY_KEYS,
+               f"--rdzv-conf: {key} is a key of --rdzv-backend etcd, not c10d")
         if key in ("close_timeout", "read_timeout", "is_host"):
             own[key] = value
         else:
@@ -368,13 +373,13 @@ class C10dRendezvous:
                                 job_status=True)
 
     def __init__(self, config: C10dConfig, runtime_dir: Path,
-                 etcd_binary: str | None = None) -> None:
+                 etcd_binary: str | None = None, *, on_event: EventHook | None = None) -> None:
         self.config = config
         self.run_id = config.etcd.run_id
         self.runtime_dir = runtime_dir
         self.etcd_binary = etcd_binary if etcd_binary is not None else shutil.which("etcd")
         self.server: HostedEtcd | None = None
-        self.inner = EtcdRendezvous(config.etcd)
+        self.inner = EtcdRendezvous(config.etcd, on_event=on_event)
         self._job_over = False  # this node saw the job end for everyone: linger as host
         self._left = False
 
@@ -545,7 +550,8 @@ class C10dRendezvous:
 
 def make_c10d_rendezvous(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str,
                          local_addr: str | None, runtime_dir: Path, standalone: bool = False,
-                         master_port: int | None = None) -> C10dRendezvous | StaticRendezvous:
+                         master_port: int | None = None, on_event: EventHook | None = None,
+                         ) -> C10dRendezvous | StaticRendezvous:
     """The c10d backend from torchrun's flags; raises ``RendezvousConfigError``.
 
     ``--standalone`` or port 0 (torchrun's "stacked single-node" line,
@@ -557,5 +563,5 @@ def make_c10d_rendezvous(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: 
                               rdzv_conf=rdzv_conf, local_addr=local_addr)
     if config.port == 0:
         return StaticRendezvous(run_id, 1, 0, "127.0.0.1", master_port)
-    return C10dRendezvous(config, runtime_dir)
+    return C10dRendezvous(config, runtime_dir, on_event=on_event)
 

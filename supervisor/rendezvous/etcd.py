@@ -72,6 +72,8 @@ from supervisor.rendezvous.etcd_state import (
     round_guard,
 )
 from supervisor.rendezvous.etcd_watch import PrefixView, open_prefix_view
+from supervisor.rendezvous.sameid import ended_line, meet, shape_value
+from supervisor.rendezvous.waitreport import WaitClock, WaitProgress, unresolved
 
 __all__ = [
     "ROOT", "EtcdRendezvous", "EtcdRendezvousConfig", "RendezvousConfigError", "make_config",
@@ -142,6 +144,8 @@ class EtcdRendezvous:
         self._held: dict[str, tuple[str, list[JsonDict]]] = {}  # lease-bound: value, guard
         self._deadlines: set[PausableDeadline] = set()
         self._progress = "nothing read yet"
+        self._clock: WaitClock | None = None  # the round being waited for, if any
+        self.waiting: WaitProgress | None = None  # for /status: what next_round waits for
         self.joined_at = 0.0  # monotonic: this agent's last join key was written
         self.waited_at = 0.0  # monotonic: this agent's last wait key was written
 
@@ -173,7 +177,8 @@ class EtcdRendezvous:
                 "unreachable_for": round(r.outage_age(time.monotonic()), 3),
                 "outages": r.outages, "last_outage": round(r.last_outage, 3),
                 "total_outage": round(r.total_outage, 3), "cause": r.cause or None,
-                "outage_limit": self.config.outage_limit}
+                "outage_limit": self.config.outage_limit,
+                "waiting": self.waiting.as_status() if self.waiting is not None else None}
 
     # lifecycle
 
@@ -192,6 +197,8 @@ class EtcdRendezvous:
             return
         deadline = time.monotonic() + self.config.join_timeout
         last = "no answer"
+        clock = WaitClock(time.monotonic(), time.time(), self.config.wait_report_every,
+                          next_due_now=True)
         with _etcd_errors(f"taking a lease from {', '.join(self.config.endpoints)}"):
             while True:
                 try:
@@ -200,13 +207,28 @@ class EtcdRendezvous:
                     return
                 except (EtcdUnavailable, TimeoutError) as exc:
                     if time.monotonic() >= deadline:
-                        why = str(exc) or last
+                        why = str(exc) or self._client.reachability.cause or last
                         message = f"unreachable for {self.config.join_timeout:g}s: {why}"
                         raise EtcdUnavailable(message) from exc
-                    if last == "no answer":  # once: a node may wait minutes for the service
-                        logger.info("etcd not reachable yet, retrying until join_timeout "
-                                    "(%gs): %s", self.config.join_timeout, exc)
                     last = str(exc) or last
+                    self._report_unreachable(clock, last)
+
+    def _report_unreachable(self, clock: WaitClock, last: str) -> None:
+        """At once, then every 30 s while etcd does not answer at start-up; a WARNING
+        each time when the cause is a name that does not resolve."""
+        now = time.monotonic()
+        if not clock.due(now):
+            return
+        clock.reported(now)
+        cause = self._client.reachability.cause or last
+        if unresolved(cause) or not clock.cause:
+            clock.cause = cause  # a name that did not resolve stays the cause of this wait
+        elif unresolved(clock.cause):
+            cause = clock.cause  # later tries may time out inside the resolver instead
+        wait = WaitProgress(f"etcd at {', '.join(self.config.endpoints)} to answer",
+                            clock.started_wall, clock.waited(now), cause=cause)
+        logger.log(wait.level(), "%s (retrying until join_timeout %gs)", wait.line(),
+                   self.config.join_timeout)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Connect (if not yet), follow the control keys, report ready, then keep the lease
@@ -435,8 +457,16 @@ class EtcdRendezvous:
         self._cutoff.round_ended()
         started = time.monotonic()
         result: RendezvousResult | None = None
-        with _etcd_errors("joining a round"), self._join_deadline():
-            result = await self._rendezvous(local_world_size, started)
+        self._clock = WaitClock(started, time.time(), self.config.wait_report_every)
+        self.waiting = WaitProgress("this node's next round", self._clock.started_wall, 0.0,
+                                    needed=self.config.min_nodes, max_nodes=self.config.max_nodes)
+        try:
+            with _etcd_errors("joining a round"), self._join_deadline():
+                if self._last_round < 0 and self._joined < 0:
+                    await self._arrive(local_world_size)
+                result = await self._rendezvous(local_world_size, started)
+        finally:
+            self._clock, self.waiting = None, None
         if result is None:
             raise RendezvousError(f"etcd rendezvous {self.run_id} timed out after "
                                   f"{self.config.join_timeout:g}s: {await self._describe()}")
@@ -447,31 +477,81 @@ class EtcdRendezvous:
                     result.group_world_size, result.master_addr, result.master_port)
         return result
 
+    async def _arrive(self, lws: int) -> None:
+        """Before this node first joins: has it met another job under the same run id?
+        (``supervisor.rendezvous.sameid``) Records the job's shape if nobody did yet."""
+        state, key = self._state(), self._keys.ctl + "shape"
+        try:
+            shape = state.json(key)
+        except RendezvousError:
+            shape = None  # unreadable: no verdict from it
+        members = state.members(state.round)
+        verdict = meet(self.run_id, closed=state.closed, shape=shape,
+                       running_sizes=[m.local_world_size for m in members] if members else None,
+                       min_nodes=self.config.min_nodes, max_nodes=self.config.max_nodes,
+                       nproc_per_node=lws)
+        if verdict is not None and verdict.fatal:
+            raise RendezvousClosed(f"etcd rendezvous: {verdict.line}")
+        if verdict is not None:
+            logger.warning("etcd rendezvous: %s", verdict.line)
+        if state.kv(key) is None:
+            value = shape_value(self.config.min_nodes, self.config.max_nodes, lws)
+            await self._write([compare(key, "VERSION", "=", 0)], [put_op(key, value)])
+
     async def _describe(self) -> str:
         """Where the round stands, for a timeout message (one count request, best effort)."""
         n = self._state().round
         if self._state().members(n) is not None:
             return self._progress
+        count = await self._joined_count(n)
+        if count is None:
+            return self._progress
+        return (f"round {n}: {count} node(s) joined, need {self.config.min_nodes} "
+                f"(max {self.config.max_nodes})")
+
+    async def _joined_count(self, n: int) -> int | None:
+        """How many nodes joined round n (one count request, best effort: None)."""
         try:
             with anyio.move_on_after(self._client.timeout):
-                count = await self._client.count(self._keys.node(n, "join"), prefix=True)
-                return (f"round {n}: {count} node(s) joined, need {self.config.min_nodes} "
-                        f"(max {self.config.max_nodes})")
+                return await self._client.count(self._keys.node(n, "join"), prefix=True)
         except EtcdError:
             pass
-        return self._progress
+        return None
+
+    async def _report_wait(self) -> None:
+        """Every 30 s while next_round waits: one line, ``/status`` and an event; at the
+        first wait ``/status`` and the event only (most rounds complete in a moment)."""
+        clock, now = self._clock, time.monotonic()
+        if clock is None or not (clock.due(now) or not clock.announced):
+            return
+        first, clock.announced = not clock.announced, True
+        clock.reported(now)
+        n = self._state().round
+        running = self._state().members(n) is not None
+        what = (f"admission ({self._progress})" if running and self._waiting == n
+                else f"nodes to join round {n}")
+        self.waiting = WaitProgress(
+            what, clock.started_wall, clock.waited(now),
+            joined=None if running else await self._joined_count(n),
+            needed=self.config.min_nodes, max_nodes=self.config.max_nodes)
+        logger.log(logging.DEBUG if first else logging.INFO, "etcd rendezvous %s: %s",
+                   self.run_id, self.waiting.line())
+        self._emit("rendezvous_waiting", **self.waiting.as_status())
 
     async def _rendezvous(self, lws: int, started: float) -> RendezvousResult:
         assert self._ctl is not None
         while True:
             seen, state = self._ctl.version, self._state()
+            if state.closed is not None and self._last_round < 0:
+                raise RendezvousClosed(f"etcd rendezvous: {ended_line(self.run_id, state.closed)}")
             if state.closed is not None:
                 raise RendezvousClosed(f"job {self.run_id} is closed: {state.closed['reason']}")
             done = await self._step(state, lws)
             if isinstance(done, tuple):
                 return self._result(state.round, *done, started)
             if not done:
-                await self._wait(seen)
+                await self._report_wait()
+                await self._wait(seen, self._clock.next_due if self._clock else math.inf)
 
     async def _step(self, state: State, lws: int) -> _Done | bool:
         """One decision: a finished round, or whether something was written (decide again

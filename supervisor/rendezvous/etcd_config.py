@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
+import logging
 import math
 import os
 import secrets
@@ -13,11 +14,11 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from supervisor.rendezvous.conf import RendezvousConfigError as RendezvousConfigError
+from supervisor.rendezvous.conf import read_conf
 from supervisor.rendezvous.etcd_client import TlsFiles
 
-
-class RendezvousConfigError(ValueError):
-    """A bad rendezvous setting; the message is one line meant for the user."""
+logger = logging.getLogger(__name__)
 
 
 def _default_node_id() -> str:
@@ -43,6 +44,7 @@ class EtcdRendezvousConfig:
     # Seconds etcd may stay unreachable before the rendezvous gives up (None: for as long
     # as the outage lasts; the workers run on meanwhile). c10d's hosted etcd sets a bound.
     outage_limit: float | None = None
+    wait_report_every: float = 30.0  # seconds between lines about a wait (waitreport)
     tls: TlsFiles | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
@@ -55,7 +57,7 @@ class EtcdRendezvousConfig:
         _check(1 <= self.min_nodes <= self.max_nodes,
                f"--nnodes: need 1 <= MIN <= MAX, got {self.min_nodes}:{self.max_nodes}")
         for name in ("join_timeout", "last_call_timeout", "lease_ttl", "exit_barrier_timeout",
-                     "request_timeout"):
+                     "request_timeout", "wait_report_every"):
             value = getattr(self, name)
             _check(0 < value < math.inf, f"{name} must be a positive number, got {value}")
         _check(self.outage_limit is None or 0 < self.outage_limit < math.inf,
@@ -85,19 +87,22 @@ _CONF_KEYS: dict[str, type] = {
     "outage_limit": float,
 }
 _NO_LIMIT = ("none", "inf", "unlimited")
+_TLS_RENAMED = {"ssl_cert": "cert", "ssl_cert_key": "key", "ca_cert": "cacert"}
 
 
 def parse_rdzv_conf(text: str) -> dict[str, str | int | float | None]:
     """Parse ``--rdzv-conf k=v,...`` (``timeout`` is torchrun's name for ``join_timeout``;
-    ``outage_limit=none`` means no limit)."""
+    ``outage_limit=none`` means no limit). Unknown keys are ignored with a warning, as
+    torchrun ignores them (``supervisor.rendezvous.conf``)."""
     conf: dict[str, str | int | float | None] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, raw = (x.strip() for x in item.partition("="))
-        _check(bool(sep and key), f"--rdzv-conf: expected key=value, got {item!r}")
-        kind = _CONF_KEYS.get(key)
-        _check(kind is not None,
-               f"--rdzv-conf: unknown key {key!r} (known: {', '.join(sorted(_CONF_KEYS))})")
-        conf["join_timeout" if key == "timeout" else key] = _conf_value(key, raw, kind or str)
+    read = read_conf(text, {**_CONF_KEYS, **_TLS_RENAMED}, "etcd")
+    for warning in read.warnings:
+        logger.warning("%s", warning)
+    for key, raw in read.items:
+        # a TLS setting that did nothing would be worse than an error: never ignored
+        _check(key not in _TLS_RENAMED,
+               f"--rdzv-conf: {key} is torch's etcd-v2 name; here it is {_TLS_RENAMED.get(key)}")
+        conf["join_timeout" if key == "timeout" else key] = _conf_value(key, raw, _CONF_KEYS[key])
     _check(conf.get("protocol", "http") in ("http", "https"),
            f"--rdzv-conf: protocol must be http or https, got {conf.get('protocol')!r}")
     return conf

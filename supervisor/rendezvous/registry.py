@@ -7,17 +7,37 @@ Each backend declares what it can do on the ``Rendezvous`` protocol (``capabilit
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from supervisor.config import ConfigError, Settings
+from supervisor.errors import ConfigError
 from supervisor.rendezvous.base import Rendezvous
+from supervisor.rendezvous.conf import read_conf
 
-Factory = Callable[[Settings, str, Path], Rendezvous]
+if TYPE_CHECKING:  # config validates against BACKENDS: it imports this module
+    from supervisor.config import Settings
+
+# an etcd-based backend's notices (outage, its end, a replaced lease): ``EventLog.emit``'s shape
+EventHook = Callable[..., object]
+Factory = Callable[["Settings", str, Path, EventHook | None], Rendezvous]
 
 
-def _static(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
+@dataclass(frozen=True)
+class Backend:
+    """One ``--rdzv-backend``: how it is built, and what the config checks for it."""
+
+    make: Factory
+    needs_endpoint: bool = False  # an existing etcd at --rdzv-endpoint
+    # False: nodes neither meet nor join or leave: fixed --nnodes, --node-rank and
+    # --master-addr are given (the backend's ``capabilities.coordinates_nodes`` too)
+    coordinates_nodes: bool = True
+
+
+def _static(settings: Settings, run_id: str, runtime_dir: Path, on_event: EventHook | None
+            ) -> Rendezvous:
     from supervisor.rendezvous.static import StaticRendezvous
 
     return StaticRendezvous(
@@ -26,7 +46,8 @@ def _static(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
     )
 
 
-def _etcd(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
+def _etcd(settings: Settings, run_id: str, runtime_dir: Path, on_event: EventHook | None
+          ) -> Rendezvous:
     """``etcd`` and ``etcd-v2`` both use our etcd v3 backend."""
     from supervisor.rendezvous.etcd import EtcdRendezvous, RendezvousConfigError, make_config
 
@@ -37,10 +58,11 @@ def _etcd(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
         )
     except RendezvousConfigError as exc:
         raise ConfigError(str(exc)) from None
-    return EtcdRendezvous(config)
+    return EtcdRendezvous(config, on_event=on_event)
 
 
-def _c10d(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
+def _c10d(settings: Settings, run_id: str, runtime_dir: Path, on_event: EventHook | None
+          ) -> Rendezvous:
     """May host an etcd whose data lives in ``runtime_dir`` (``--standalone`` keeps
     torchrun's meaning: one node)."""
     from supervisor.rendezvous.c10d import make_c10d_rendezvous
@@ -51,23 +73,31 @@ def _c10d(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
             endpoint=settings.rdzv_endpoint, run_id=run_id, nnodes=settings.nnodes,
             rdzv_conf=settings.rdzv_conf, local_addr=settings.local_addr,
             runtime_dir=runtime_dir, standalone=settings.standalone,
-            master_port=settings.master_port,
+            master_port=settings.master_port, on_event=on_event,
         )
     except RendezvousConfigError as exc:
         raise ConfigError(str(exc)) from None
 
 
-# imported lazily: the static backend never imports anything of etcd
-BACKENDS: dict[str, Factory] = {"static": _static, "c10d": _c10d, "etcd": _etcd,
-                                "etcd-v2": _etcd}
+# the one list of backends (config.py validates against it). static: no server; etcd and
+# etcd-v2: an existing etcd (>= 3.4, our v3 backend for both); c10d: the endpoint's host
+# starts a single-member etcd itself. Imported lazily: static never imports etcd's code
+BACKENDS: dict[str, Backend] = {
+    "static": Backend(_static, coordinates_nodes=False),
+    "c10d": Backend(_c10d),
+    "etcd": Backend(_etcd, needs_endpoint=True),
+    "etcd-v2": Backend(_etcd, needs_endpoint=True),
+}
 
 
-def make_rendezvous(settings: Settings, run_id: str, runtime_dir: Path) -> Rendezvous:
-    """The configured backend; bad endpoints or conf values are one-line ConfigErrors."""
-    factory = BACKENDS.get(settings.rdzv_backend)
-    if factory is None:  # config validation lists the same names (config.RDZV_BACKENDS)
+def make_rendezvous(settings: Settings, run_id: str, runtime_dir: Path, *,
+                    on_event: EventHook | None = None) -> Rendezvous:
+    """The configured backend; bad endpoints or conf values are one-line ConfigErrors.
+    ``on_event`` hears an etcd-based backend's notices (the static backend has none)."""
+    backend = BACKENDS.get(settings.rdzv_backend)
+    if backend is None:  # config validation refuses it first; Settings can be built unchecked
         raise ConfigError(f"rdzv_backend: unknown backend {settings.rdzv_backend!r}")
-    return factory(settings, run_id, runtime_dir)
+    return backend.make(settings, run_id, runtime_dir, on_event)
 
 
 def conf_barrier_timeout(settings: Settings, rendezvous: Rendezvous) -> Settings:
@@ -75,8 +105,9 @@ def conf_barrier_timeout(settings: Settings, rendezvous: Rendezvous) -> Settings
     Call after ``make_rendezvous``, which validated the conf."""
     if not rendezvous.capabilities.coordinates_nodes:
         return settings
-    pairs = (item.partition("=") for item in settings.rdzv_conf.split(","))
-    value = {key.strip(): raw.strip() for key, _, raw in pairs}.get("exit_barrier_timeout")
+    # read as the backends read it: quotes a shell left are stripped, unknown keys skipped
+    known = read_conf(settings.rdzv_conf, ("exit_barrier_timeout",), settings.rdzv_backend)
+    value = dict(known.items).get("exit_barrier_timeout")
     if value is None:
         return settings
     return msgspec.structs.replace(settings, exit_barrier_timeout=float(value))

@@ -74,6 +74,7 @@ def _goodput(ledger: Ledger | None, mono_to_wall: float) -> dict[str, Any] | Non
         "productive": round(closed.productive, 3),
         "lost": {k: round(v, 3) for k, v in closed.lost_by_cause.items() if v},
         "idle": round(closed.idle, 3),
+        "unknown": round(closed.unknown, 3),
         "failures": ledger.failures,
         "segment": ledger.kind.value,
         "cause": ledger.cause,
@@ -83,8 +84,9 @@ def _goodput(ledger: Ledger | None, mono_to_wall: float) -> dict[str, Any] | Non
     }
 
 
-def goodput_now(summary: dict[str, Any], now_wall: float) -> dict[str, float] | None:
-    """A summary's goodput figures at ``now_wall`` (the open segment counted up to it)."""
+def goodput_now(summary: dict[str, Any], now_wall: float) -> dict[str, float | None] | None:
+    """A summary's goodput figures at ``now_wall`` (the open segment counted up to it);
+    ``ratio`` is None when part of the time is unknown (no progress signal)."""
     g = summary.get("goodput")
     if not isinstance(g, dict):
         return None
@@ -93,7 +95,7 @@ def goodput_now(summary: dict[str, Any], now_wall: float) -> dict[str, float] | 
         open_part = max(0.0, end - float(g["since"]))
         lost = {str(k): float(v) for k, v in (g.get("lost") or {}).items()}
         figures = {"startup": float(g["startup"]), "productive": float(g["productive"]),
-                   "idle": float(g["idle"])}
+                   "idle": float(g["idle"]), "unknown": float(g.get("unknown") or 0.0)}
         if g.get("segment") == "lost":
             cause = str(g.get("cause") or "other")
             lost[cause] = lost.get(cause, 0.0) + open_part
@@ -102,10 +104,10 @@ def goodput_now(summary: dict[str, Any], now_wall: float) -> dict[str, float] | 
         wall = max(0.0, end - float(g["started"]))
     except (KeyError, TypeError, ValueError):
         return None
-    figures["lost"] = sum(lost.values())
-    figures["wall"] = wall
-    figures["ratio"] = figures["productive"] / wall if wall > 0 else 0.0
-    return figures
+    result: dict[str, float | None] = {**figures, "lost": sum(lost.values()), "wall": wall}
+    result["ratio"] = (None if figures["unknown"] > 0 else  # part of the time was not seen
+                       figures["productive"] / wall if wall > 0 else 0.0)
+    return result
 
 
 class SummaryPublisher:

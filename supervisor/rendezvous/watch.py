@@ -1,7 +1,16 @@
 """The membership watch of one attempt: reports ``MembershipChanged`` into the inbox.
 
-Started beside the attempt's worker monitors and cancelled with them (its question, "is
-this attempt's round outdated?", ends with the attempt); it reports and never decides.
+It reports and never decides. Its lifetime is the attempt's, so it runs in the attempt's
+monitor task group (``WorkerGroup.supervise``), beside the worker monitors, on purpose:
+
+- its question, "is this attempt's round outdated?", is about ``attempt.round`` and has
+  no meaning before the attempt is launched (a change during a rendezvous is the
+  rendezvous's to handle) or after it is stopped (the next round answers it);
+- the stop already cancels that group (``attempt.scope``) once the workers are reaped,
+  so the watch ends with no bookkeeping of its own; in the controller's task group it
+  would need a second per-attempt cancel scope kept in step with the first;
+- a watch that outlived its attempt would hold an etcd watch open through the next
+  rendezvous and could only post events that are stale drops by then.
 """
 
 from __future__ import annotations

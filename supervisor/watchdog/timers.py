@@ -200,7 +200,9 @@ class Watchdog:
         self._progress = progress
         self._on_expired = on_expired
         self._config = config or WatchdogConfig()
-        self.metrics = metrics  # may be attached later (the HTTP metrics load after launch)
+        # told of each count as it happens (tests wait on it); the HTTP metrics, which
+        # load after the first launch, read ``stats`` instead
+        self._metrics = metrics
         self._table = DeadlineTable(self._config.max_scopes_per_pid)
         self._rate_log = RateLimitedLog(logger, self._config.log_interval)
         self._wakeup = anyio.Event()
@@ -303,18 +305,18 @@ class Watchdog:
 
     def _count_accepted(self) -> None:
         self.stats.request_accepted()
-        if self.metrics is not None:
-            self.metrics.request_accepted()
+        if self._metrics is not None:
+            self._metrics.request_accepted()
 
     def _count_rejected(self, reason: str) -> None:
         self.stats.request_rejected(reason)
-        if self.metrics is not None:
-            self.metrics.request_rejected(reason)
+        if self._metrics is not None:
+            self._metrics.request_rejected(reason)
 
     def _count_expired(self, outcome: ExpiryOutcome) -> None:
         self.stats.deadline_expired(outcome.value)
-        if self.metrics is not None:
-            self.metrics.deadline_expired(outcome.value)
+        if self._metrics is not None:
+            self._metrics.deadline_expired(outcome.value)
 
     # -- expiry ----------------------------------------------------------------------
 

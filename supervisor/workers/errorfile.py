@@ -50,7 +50,13 @@ def _number(value: Any) -> float | None:
 
 
 def read_error_file(path: str | Path) -> ErrorReport | None:
-    """The report in ``path``, or None if missing, not a regular file or unreadable.
+    """The report in ``path``, or None if missing, unreadable or not one of torch's
+    formats; see ``read_error_data`` for what is refused and why."""
+    return parse_error_file(read_error_data(path))
+
+
+def read_error_data(path: str | Path) -> Any:
+    """The JSON value in ``path``, or None if missing, not a regular file or unreadable.
 
     Never raises and never blocks: the worker chose what is at ``path``. A FIFO there must
     not stop the event loop, deep nesting must not escape as RecursionError, and nothing
@@ -76,7 +82,7 @@ def read_error_file(path: str | Path) -> ErrorReport | None:
             if not _same_regular_file(os.fstat(fd), seen):
                 return None
             text = f.read(MAX_ERROR_FILE)
-        return parse_error_file(json.loads(text))
+        return json.loads(text)
     except (OSError, ValueError, RecursionError):
         return None
 

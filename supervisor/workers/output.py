@@ -23,6 +23,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import socket
 import stat
 from collections.abc import Callable, Sequence
@@ -294,6 +295,39 @@ def _send_nowait(sock: socket.socket, data: memoryview) -> int:
     return sock.send(data, socket.MSG_DONTWAIT)
 
 
+# ------------------------------------------------------------------ progress lines
+
+MAX_SCANNED_LINE = 64 * 1024  # a longer line is matched on its first 64 KiB
+
+
+class ProgressPatternError(OutputSpecError):
+    """``--progress-pattern`` is not a regular expression; the message is one line."""
+
+
+def compile_progress_pattern(text: str | None) -> re.Pattern[bytes] | None:
+    """The ``--progress-pattern`` regex, matched against each output line's bytes."""
+    if not text:
+        return None
+    try:
+        return re.compile(text.encode())
+    except re.error as exc:
+        raise ProgressPatternError(f"progress_pattern: not a regular expression: {exc}") from None
+
+
+class ProgressScan:
+    """Finds the first line of a stream that matches the progress pattern."""
+
+    def __init__(self, pattern: re.Pattern[bytes]) -> None:
+        self.pattern = pattern
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> bool:
+        """Whether a line completed by ``chunk`` matches."""
+        *lines, rest = (self._partial + chunk).split(b"\n")
+        self._partial = rest[:MAX_SCANNED_LINE]
+        return any(self.pattern.search(line[:MAX_SCANNED_LINE]) for line in lines)
+
+
 # ------------------------------------------------------------------ pumps
 
 
@@ -310,7 +344,9 @@ class Pump:
     filtered: LogFile | None = None
     needles: tuple[bytes, ...] = ()
     splitter: LineSplitter = field(default_factory=LineSplitter)
-    on_first_line: Callable[[], None] | None = None  # the rank's first line: progress
+    # told once, at the first line matching --progress-pattern (the rank's progress)
+    progress: ProgressScan | None = None
+    on_progress_line: Callable[[], None] | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
     # shielded: only EOF, request_stop() or cancel() end a pump, never the caller's scope,
     # so a supervisor shutting down still writes out what the workers said last
@@ -359,9 +395,10 @@ class Pump:
                 self._eof = True
                 return
             self.file.write(chunk)
-            if self.on_first_line is not None and b"\n" in chunk:
-                heard, self.on_first_line = self.on_first_line, None
-                heard()
+            if self.progress is not None and self.progress.feed(chunk):
+                self.progress = None  # the first match is all that is needed per attempt
+                if self.on_progress_line is not None:
+                    self.on_progress_line()
             if self.console is not None:
                 await self._emit(self.splitter.feed(chunk))
 
@@ -409,6 +446,7 @@ class OutputPlan:
         stdout_filters: Sequence[str] = (),
         stderr_filters: Sequence[str] = (),
         console_fds: tuple[int, int] = (1, 2),
+        progress_pattern: str | None = None,
     ) -> None:
         redirect_map = parse_std_map(redirects, local_world_size, what="redirects")
         tee_map = parse_std_map(tee, local_world_size, what="tee")
@@ -435,8 +473,11 @@ class OutputPlan:
         self._child_fds: dict[int, list[int]] = {}
         self.loss = OutputLoss()  # what could not be written (metrics, events)
         self._tg: TaskGroup | None = None
-        # told the local rank of each pump's first complete line (goodput, readiness)
-        self.on_first_line: Callable[[int], None] | None = None
+        # a line matching it is progress (goodput, readiness): a bare first line is not,
+        # since torch prints warnings while it imports and a warm standby prints at once
+        self.progress_pattern = compile_progress_pattern(progress_pattern)
+        # told the local rank of each pump's first line matching the pattern
+        self.on_progress_line: Callable[[int], None] | None = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> OutputPlan:
@@ -448,6 +489,7 @@ class OutputPlan:
             role=settings.role,
             stdout_filters=settings.duplicate_stdout_filters,
             stderr_filters=settings.duplicate_stderr_filters,
+            progress_pattern=settings.progress_pattern,
         )
 
     @property
@@ -509,8 +551,10 @@ class OutputPlan:
                         restart_count=restart_count,
                     )
                     fd = self._start_pump(dir_index, rank_dir, name, bit, route, prefix)
-                    if self.on_first_line is not None:
-                        self._pumps[-1].on_first_line = partial(self.on_first_line, local_rank)
+                    if self.progress_pattern is not None and self.on_progress_line is not None:
+                        self._pumps[-1].progress = ProgressScan(self.progress_pattern)
+                        self._pumps[-1].on_progress_line = partial(self.on_progress_line,
+                                                                   local_rank)
                 opened.append(fd)
                 fds.append(fd)
         except BaseException:

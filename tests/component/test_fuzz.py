@@ -303,7 +303,9 @@ PARSE_TIME_BAD: list[list[str]] = [
     ["--numa-binding", "galaxy"], ["--log-level", "verbose"], ["--log-format", "xml"],
     ["--start-method", "thread"], ["--restart-exit-codes", "256"], ["--logs-specs", "x"],
     ["--config", "/nonexistent/cfg.toml"], ["--config", "/"], ["--module", "--no-python"],
-    ["--rdzv-backend", "etcd"], ["--frobnicate"], ["--max-restart", "3"], ["-x"],
+    # "--max-restart 3" is no longer bad: a prefix of --max-restarts, as torchrun takes it
+    ["--rdzv-backend", "etcd"], ["--frobnicate"], ["--max-restarts-", "3"], ["-x"],
+    ["--r", "3"],  # an ambiguous prefix
     ["--max-restarts"], ["--nproc-per-node", "--max-restarts", "1"],
 ]
 # bad values caught when the daemon starts (output plan, rendezvous backend)
@@ -312,7 +314,8 @@ START_TIME_BAD: list[list[str]] = [
     *(["--tee", v] for v in ["4", "x"]),
     *(["--local-ranks-filter", v] for v in ["x", "-1"]),
     *(["--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:9", "--rdzv-conf", v]
-      for v in ["foo", "unknown=1", "timeout=-1", "protocol=ftp", "lease_ttl=x"]),
+      # an unknown key is ignored with a warning, as torchrun ignores it: not bad
+      for v in ["foo", "timeout=-1", "protocol=ftp", "lease_ttl=x", "'lease_ttl=x'"]),
     *(["--rdzv-backend", "etcd", "--rdzv-endpoint", v] for v in ["http://:0", "ftp://x"]),
 ]
 HARMLESS: list[list[str]] = [

@@ -104,24 +104,27 @@ async def test_ranks_without_progress_signal_are_recorded_as_such(tmp_path: Path
     async with supervisor(args) as sup:
         assert await sup.wait(timeout=60) == 0, sup.err.text()
     rec = recovered(read_jsonl(events))
-    assert rec["cause"] == "exit_code" and rec["recovered"] is True
-    # waited for until the bound, then known to have no signal: "resumed" at its launch
-    assert rec["phases"]["resume"] == 0.0
+    assert rec["cause"] == "exit_code"
+    # waited for until the bound, then known to have no signal: the resumption is unseen
+    assert rec["recovered"] == "unknown" and rec["outcome"] == "unknown"
+    assert rec["phases"]["resume"] == "unknown" and rec["lost"] == "unknown"
+    assert rec["lost_at_least"] > 0 and "resumed_at" not in rec  # None: not logged
     assert rec["no_signal"] == [0] and rec["missing"] == []
-    assert rec["recovered"] is True
 
 
 PRINTER = (WORKERS / "printer.py").read_text()
 
 
-async def test_first_output_line_is_progress_for_ranks_without_deadlines(tmp_path: Path) -> None:
+async def test_a_line_matching_the_progress_pattern_is_progress(tmp_path: Path) -> None:
+    """Without deadlines, the first line matching --progress-pattern; an earlier line (the
+    NumPy warning torch prints while it imports) is not progress."""
     script = tmp_path / "printer.py"
     script.write_text(PRINTER)
     events = tmp_path / "events.jsonl"
     wlog = tmp_path / "workers.jsonl"
     args = ["--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
-            "--tee", "1", "--event-log", str(events), "--log-dir", str(tmp_path / "logs"),
-            str(script), str(wlog)]
+            "--tee", "3", "--progress-pattern", r"^step \d+", "--event-log", str(events),
+            "--log-dir", str(tmp_path / "logs"), str(script), str(wlog)]
     async with supervisor(args) as sup:
         assert await sup.wait(timeout=60) == 0, sup.err.text()
     rec = recovered(read_jsonl(events))
@@ -131,4 +134,4 @@ async def test_first_output_line_is_progress_for_ranks_without_deadlines(tmp_pat
     errors = {"failed": rec["failed_at"] - crash, "resumed": rec["resumed_at"] - resumed}
     print("accounting error (s):", errors)
     assert all(0 <= e < TOLERANCE for e in errors.values()), errors
-    assert rec["awaited"] == [0, 1] and rec["phases"]["resume"] >= 0.8
+    assert rec["awaited"] == [0, 1] and rec["phases"]["resume"] >= 1.2

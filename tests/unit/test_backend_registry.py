@@ -6,12 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.config import RDZV_BACKENDS, ConfigError, Settings
+from supervisor.config import ConfigError, Settings, validate
 from supervisor.rendezvous.registry import BACKENDS, make_rendezvous
 
 
 def test_the_registry_knows_exactly_the_backends_the_config_accepts() -> None:
-    assert set(BACKENDS) == set(RDZV_BACKENDS)
+    for name, backend in BACKENDS.items():  # the config derives its checks from the registry
+        validate(Settings(training_script="x.py", rdzv_backend=name,
+                          rdzv_endpoint="127.0.0.1:2379" if backend.needs_endpoint else ""))
+    with pytest.raises(ConfigError) as refused:
+        validate(Settings(training_script="x.py", rdzv_backend="zk"))
+    assert str(refused.value) == ("rdzv_backend: unknown backend 'zk' "
+                                  "(valid: static, c10d, etcd, etcd-v2)")
 
 
 def test_the_static_backend_declares_a_fixed_uncoordinated_membership(tmp_path: Path) -> None:

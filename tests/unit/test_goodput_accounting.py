@@ -143,16 +143,21 @@ def test_silent_rank_is_waited_for_until_the_bound_then_has_no_signal() -> None:
     assert record.awaited == (0,) and record.no_signal == (1,)
 
 
-def test_no_rank_with_a_signal_resumes_at_launch() -> None:
+def test_no_rank_with_a_signal_leaves_the_resumption_unknown() -> None:
+    """The newcomer's crash 'lost 0.2 s' for a 17 s gap: without a signal, no figure."""
     acc = Accountant(0.0, 5.0)
     acc.launched(1, (0,), 1.0)
     acc.poll(6.0)
     acc.failed("exit_code", 10.0, local_rank=0)
     acc.stopped(10.1)
     (record,) = acc.launched(2, (0,), 10.3)
-    assert record.resumed_at == 10.3 and record.no_signal == (0,)
-    assert record.phases()["resume"] == 0.0
-    assert totals(acc.ledger(), 10.3).startup == pytest.approx(1.0)
+    assert record.outcome is Outcome.UNKNOWN and record.resumed_at is None
+    assert record.lost is None and record.lost_at_least == pytest.approx(0.3)
+    assert record.no_signal == (0,) and record.phases()["resume"] is None
+    t = totals(acc.ledger(), 20.0)
+    assert t.startup == pytest.approx(1.0) and t.productive == 0.0
+    assert t.unknown == pytest.approx(9.0 + 9.7) and t.lost == pytest.approx(0.3)
+    assert t.ratio is None
 
 
 def test_a_rank_that_had_progress_but_stays_silent_is_missing_not_signalless() -> None:

@@ -20,6 +20,7 @@ EVENTS: dict[str, sm.Event] = {
     "GroupLaunched": sm.GroupLaunched(CURRENT + 1, frozenset({0, 1}), 1.0),
     "WorkerExited(0)": sm.WorkerExited(CURRENT, 0, 10, 0, None, 1.0),
     "WorkerExited(1)": sm.WorkerExited(CURRENT, 0, 10, 1, None, 1.0),
+    "WorkerFailedToStart": sm.WorkerFailedToStart(CURRENT, 1, "E2BIG", 1.0),
     "DeadlineExpired": sm.DeadlineExpired(CURRENT, 0, 10, "step", 0.1, 1.0),
     "WorkerUnhealthy": sm.WorkerUnhealthy(CURRENT, 0, 10, "D state", 1.0),
     "RemoteFailure": sm.RemoteFailure("node b failed", 1.0),
@@ -33,13 +34,14 @@ NAMES = list(EVENTS)
 
 # columns in the order of NAMES
 TABLE: dict[sm.Phase, list[sm.Verdict]] = {
-    #                 RdvC RdvF LnchF Lnchd Ex0 Ex1 Dead Unh Rem Memb Shut Stop Back Barr
-    sm.Phase.RENDEZVOUS: [E, E, X, X, X, X, X, X, E, E, E, X, X, X],
-    sm.Phase.STARTING: [X, X, E, E, X, X, X, X, X, X, E, X, X, X],
-    sm.Phase.RUNNING: [X, X, X, X, E, E, E, E, E, E, E, X, X, X],
-    sm.Phase.STOPPING: [X, X, X, X, E, E, E, E, E, E, E, E, X, X],
-    sm.Phase.BACKOFF: [X, X, X, X, X, X, E, E, E, E, E, X, E, X],
-    sm.Phase.EXIT_BARRIER: [X, X, X, X, X, X, E, E, E, E, E, X, X, E],
+    #                 RdvC RdvF LnchF Lnchd Ex0 Ex1 NoSt Dead Unh Rem Memb Shut Stop Back Barr
+    sm.Phase.RENDEZVOUS: [E, E, X, X, X, X, X, X, X, E, E, E, X, X, X],
+    sm.Phase.STARTING: [X, X, E, E, X, X, X, X, X, X, X, E, X, X, X],
+    sm.Phase.RUNNING: [X, X, X, X, E, E, E, E, E, E, E, E, X, X, X],
+    # a shutdown request queued before the launch's report meets it here: LnchF, Lnchd
+    sm.Phase.STOPPING: [X, X, E, E, E, E, E, E, E, E, E, E, E, X, X],
+    sm.Phase.BACKOFF: [X, X, X, X, X, X, X, E, E, E, E, E, X, E, X],
+    sm.Phase.EXIT_BARRIER: [X, X, X, X, X, X, X, E, E, E, E, E, X, X, E],
     # final: late events are recorded only
     sm.Phase.SUCCEEDED: [E] * len(NAMES),
     sm.Phase.FAILED: [E] * len(NAMES),
@@ -70,7 +72,8 @@ def test_current_events_are_edges_or_named_errors(phase: sm.Phase) -> None:
 
 @pytest.mark.parametrize("phase", list(sm.Phase), ids=lambda p: p.name)
 @pytest.mark.parametrize("name", ["WorkerExited(0)", "WorkerExited(1)", "DeadlineExpired",
-                                  "WorkerUnhealthy", "MembershipChanged"])
+                                  "WorkerUnhealthy", "MembershipChanged",
+                                  "WorkerFailedToStart"])
 def test_an_earlier_attempts_event_is_a_stale_drop(phase: sm.Phase, name: str) -> None:
     event = EVENTS[name]
     assert isinstance(event, sm.AttemptEvent)

@@ -11,10 +11,6 @@ from tests.support.torchrun_lines import command_lines
 deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
 pytestmark = pytest.mark.torch
 
-# Accepted by the parser but refused at validation, with a one-line reason (docs/torchrun-compat.md)
-REFUSED = {"--logs-specs", "--logs_specs"}
-
-
 def torchrun_parser():  # type: ignore[no-untyped-def]
     from torch.distributed.run import get_args_parser
 
@@ -45,8 +41,8 @@ def test_real_command_lines_parse_like_torchrun(argv: list[str]) -> None:
     assert ours.role == theirs.role
 
 
-def test_logs_specs_is_refused_with_one_line() -> None:
+def test_a_logs_specs_plugin_is_refused_with_one_line() -> None:
     from supervisor.config import ConfigError
 
-    with pytest.raises(ConfigError, match="logs_specs: LogsSpecs plugins are not supported"):
+    with pytest.raises(ConfigError, match="LogsSpecs plugins are not supported; use log_dir"):
         parse_run_args(["--logs-specs", "my_specs", "train.py"], {})
