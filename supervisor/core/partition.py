@@ -12,6 +12,9 @@ the peers of its round (their health endpoints' ``/status``) and feeds what they
 3. Some answering peer reaches etcd: etcd is up, so this node is the one cut off; its
    lease expires at the latest ``ttl + max_rtt`` after its last refresh was sent, and the
    others re-form only after that: **stop once that time has passed** (wait until then).
+   Right after an outage for everyone, every lease expired and the others wait one TTL
+   for the keys to come back: the clock then starts when the outage ended
+   (:func:`standing_since`), so a blip just after it stops nothing.
 4. Every answering peer says it cannot reach etcd either: a cluster-wide outage:
    **ride out**.
 
@@ -78,6 +81,15 @@ def judge(*, my_round: int, last_refresh_sent: float, now: float, ttl: float,
                                     f"{expired_by - now:.1f}s", until=expired_by)
     return Verdict(Cutoff.STOP, f"{said}: cut off from etcd, its lease has expired and the "
                                 "others re-form without it")
+
+
+def standing_since(last_refresh_sent: float, last_outage_ended: float | None) -> float:
+    """Since when the others count this node as a member without hearing from it: its last
+    answered lease refresh, or the end of the last outage if later (after an outage for
+    everyone the leader gives every member one TTL to put its keys back)."""
+    if last_outage_ended is None:
+        return last_refresh_sent
+    return max(last_refresh_sent, last_outage_ended)
 
 
 def parse_peer_status(node: str, doc: object, run_id: str) -> PeerReport:

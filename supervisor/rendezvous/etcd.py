@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
+from supervisor.core.partition import standing_since
 from supervisor.rendezvous.base import (
     BarrierResult,
     Capabilities,
@@ -126,7 +127,7 @@ class EtcdRendezvous:
                               config.node_id)
         self._cutoff = CutoffCheck(self._client, config.run_id, config.node_id,
                                    ttl=config.lease_ttl,
-                                   last_refresh_sent=lambda: self._lease.last_refresh_sent,
+                                   last_refresh_sent=self._standing_since,
                                    on_cut_off=self._cut_off)
         self._cut_off_reason: str | None = None  # this node is the one cut off from etcd
         self._evicted_reason = ""
@@ -317,6 +318,10 @@ class EtcdRendezvous:
             deadline.pause()
         self._cutoff.outage_began()
         self._emit("etcd_unreachable", cause=r.cause, outage_limit=limit)
+
+    def _standing_since(self) -> float:
+        return standing_since(self._lease.last_refresh_sent,
+                              self._client.reachability.recovered_at)
 
     def _watch_live(self, live: bool) -> None:
         """The control watch opened or died: /status changes (publish it)."""

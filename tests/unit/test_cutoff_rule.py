@@ -13,6 +13,7 @@ from supervisor.core.partition import (
     judge,
     parse_peer_status,
     peers_to_ask,
+    standing_since,
 )
 
 TTL, RTT = 10.0, 3.0
@@ -72,6 +73,18 @@ def test_the_wait_covers_the_slowest_refresh_it_may_have_been() -> None:
 def test_a_peer_in_a_newer_round_stops_this_node_at_once() -> None:
     v = verdict(down("b", round_=5), now=SENT + 1.0)
     assert v.action is Cutoff.STOP and "runs round 5" in v.reason
+
+
+def test_after_an_outage_for_everyone_the_clock_starts_when_it_ended() -> None:
+    """Regression (seen in tests/e2e/test_network_faults.py): etcd's link was down for 2x
+    the TTL, every lease expired, and one request failing just after etcd came back made a
+    node judge "peers reach etcd, my lease expired long ago": it stopped although the
+    leader waits one TTL for every member's keys."""
+    since = standing_since(SENT, SENT + 60.0)
+    v = judge(my_round=4, last_refresh_sent=since, now=SENT + 60.1, ttl=TTL, max_rtt=RTT,
+              reports=[up("c")])
+    assert v.action is Cutoff.WAIT
+    assert standing_since(SENT, None) == SENT and standing_since(SENT, SENT - 5) == SENT
 
 
 def test_a_peer_in_an_older_round_is_no_evidence() -> None:
