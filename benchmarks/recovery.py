@@ -41,6 +41,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.harness import BIN, HERE, ensure_bytecode, free_port, launcher_env
+from supervisor.workers.warm.forkserver import is_fork_server_command
 from supervisor.workers.warm.standby import is_standby_command
 
 JOB = HERE / "recovery_job.py"
@@ -59,6 +60,7 @@ class Cell:
     failed_runs: int = 0
     standby_rss: list[int] = field(default_factory=list)
     standby_uss: list[int] = field(default_factory=list)
+    server_rss: list[int] = field(default_factory=list)  # the fork server's, if any
 
 
 def command(cell: Cell, ranks: int, restarts: int, logs: Path) -> list[str]:
@@ -117,7 +119,9 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
     return found
 
 
-STALL = 12.0  # s after a crash without every rank's first step: the recovery failed
+# s after a crash without every rank's first step: the recovery failed (``--stall``; a
+# cold restart on a 2-core machine shared with other jobs took 12-16 s)
+STALL = [12.0]
 
 
 def stalled(out: Path, ranks: int, crashes: int) -> bool:
@@ -127,7 +131,7 @@ def stalled(out: Path, ranks: int, crashes: int) -> bool:
         return False
     if all((out / f"a{last + 1}_r{r}.json").exists() for r in range(ranks)):
         return False
-    return time.time() - float((out / f"crash_{last}").read_text()) > STALL
+    return time.time() - float((out / f"crash_{last}").read_text()) > STALL[0]
 
 
 def sample_standbys(cell: Cell, pid: int, ranks: int, out: Path) -> bool:
@@ -135,10 +139,18 @@ def sample_standbys(cell: Cell, pid: int, ranks: int, out: Path) -> bool:
     if (out / "crash_0").exists():
         return True  # too late for this run
     try:
-        standbys = [p for p in psutil.Process(pid).children(recursive=True)
-                    if is_standby_command(p.cmdline())]
+        children = psutil.Process(pid).children(recursive=True)
+        standbys = [p for p in children if is_standby_command(p.cmdline())]
+        # forked standbys show their fork server's command line: the oldest such process
+        # is the server (its RSS is reported apart)
+        forked = sorted((p for p in children if is_fork_server_command(p.cmdline())),
+                        key=lambda p: p.create_time())
     except psutil.Error:
         return False
+    if forked:
+        server, standbys = forked[0], standbys + forked[1:]
+        with contextlib.suppress(psutil.Error):
+            cell.server_rss.append(server.memory_info().rss)
     if len(standbys) < ranks:
         return False
     try:
@@ -211,8 +223,11 @@ def main() -> int:
     ap.add_argument("--crash-after", type=float, default=5.0,
                     help="seconds of training before each crash; below a standby's import "
                          "time (~2.5 s) the crash comes while the standbys still import")
+    ap.add_argument("--stall", type=float, default=STALL[0],
+                    help="seconds after a crash without a first step: a failed recovery")
     a = ap.parse_args()
     CRASH_AFTER[1] = str(a.crash_after)
+    STALL[0] = a.stall
     results = []
     for ranks in (int(r) for r in a.ranks.split(",")):
         for mode in a.crashes.split(","):
@@ -253,6 +268,8 @@ def summarise(cell: Cell, ranks: int, mode: str, seconds: float) -> dict[str, ob
         "phases": phases, "runs": cell.runs, "failed_runs": cell.failed_runs,
         "standby_rss_mib": (median([float(v) for v in cell.standby_rss]) or 0) / 2**20 or None,
         "standby_uss_mib": (median([float(v) for v in cell.standby_uss]) or 0) / 2**20 or None,
+        "fork_server_rss_mib": (median([float(v) for v in cell.server_rss]) or 0) / 2**20
+        or None,
         "seconds": round(seconds, 1),
     }
 

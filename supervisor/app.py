@@ -42,7 +42,7 @@ from supervisor.controller import (
     restart_policy,
 )
 from supervisor.core import state as sm
-from supervisor.core.envs import default_omp_threads
+from supervisor.core.envs import default_omp_threads, interpreter
 from supervisor.core.snapshot import ProgressTable
 from supervisor.discovery import announce, local_url
 from supervisor.events import EventLog
@@ -76,6 +76,7 @@ from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreape
 from supervisor.workers.output import OutputPlan, OutputSpecError
 from supervisor.workers.spawn import DeathSignal
 from supervisor.workers.topology import cpus_for
+from supervisor.workers.warm.forkslot import ForkSlot
 from supervisor.workers.warm.pool import NullPool, Pool, WarmPool
 
 logger = logging.getLogger(__name__)
@@ -200,7 +201,8 @@ async def supervise(
         max_buffer_size=4096
     )
     death = DeathSignal()
-    pool = make_pool(settings, rendezvous, environ, death, progress, guardian)
+    pool = make_pool(settings, rendezvous, environ, death, progress, guardian,
+                     fork_server=not embedded)
     group = WorkerGroup(
         settings, run_id=run_id, events=events, log_root=log_root, output=output,
         environ=worker_base_env(environ, settings.local_world_size, cookie),
@@ -239,6 +241,8 @@ async def supervise(
                 await tg.start(deliver_signals, send)
             await tg.start(run_watchdog_pings, notifier)
             await tg.start(output.run)
+            await pool.start_tasks(tg)
+            pool.warm_up(group.preview())  # the fork server imports while we rendezvous
             await tg.start(rendezvous.run)
             await tg.start(lag.run)
             await tg.start(events.retry_pending)
@@ -331,15 +335,24 @@ def make_pool(
     death: DeathSignal,
     progress: ProgressTable,
     guardian: Guardian,
+    *,
+    fork_server: bool = False,
 ) -> Pool:
-    """The warm pool (``--no-warm-restart``: none, every attempt starts cold)."""
+    """The warm pool (``--no-warm-restart``: none, every attempt starts cold).
+
+    ``fork_server``: with ``--preload``, standbys are forked from one fork server per
+    node; only where we are a child subreaper (the daemon), so that a forked standby is
+    reparented to us. The embedded API keeps standbys that import for themselves."""
     if settings.no_warm_restart:
         return NullPool()
+    python = environ.get("PYTHON_EXEC", sys.executable)
+    forks = (ForkSlot(death=death, prefix=interpreter(python), guardian=guardian)
+             if fork_server and settings.preload and not settings.no_fork_server else None)
     return WarmPool(
-        settings, python=environ.get("PYTHON_EXEC", sys.executable), death=death,
+        settings, python=python, death=death,
         progress=progress,
         membership_can_change=rendezvous.capabilities.membership_can_change,
-        guardian=guardian,
+        guardian=guardian, forks=forks,
     )
 
 
@@ -415,6 +428,7 @@ async def serve_when_launched(
     metrics.watch_loop(lag)
     metrics.watch_event_log(controller.events)
     metrics.watch_output(controller.output.loss)
+    metrics.watch_warm(controller.group.pool)
     goodput.attach_metrics(metrics)
     serve = functools.partial(serve_health, sock=sock)
     await tg.start(

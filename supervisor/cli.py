@@ -101,7 +101,10 @@ def _run_parser() -> argparse.ArgumentParser:
     _flag(p, "preload", type=_csv,
           help="modules each standby imports before a restart, e.g. torch,torch._dynamo")
     _flag(p, "preload-after", type=float,
-          help="standbys start preloading once every rank progressed, or after this (5 s)")
+          help="without the fork server: standbys start preloading once every rank "
+               "progressed, or after this (5 s)")
+    _flag(p, "no-fork-server", action="store_const", const=True,
+          help="with --preload: each standby imports for itself (no fork server)")
     _flag(p, "restart-backoff", help="BASE:MAX seconds of exponential backoff (default 0:0)")
     _flag(p, "restart-budget-window", type=float, help="healthy seconds that refill the budget")
     _flag(p, "no-restart-exit-codes", type=_int_csv, help="exit codes that end the job at once")

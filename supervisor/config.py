@@ -86,6 +86,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     no_warm_restart: bool = False  # restarted workers start in pre-started interpreters
     preload: list[str] = msgspec.field(default_factory=list)  # modules standbys import
     preload_after: float = 5.0  # standbys preload once every rank progressed, or after this
+    no_fork_server: bool = False  # --preload: standbys import for themselves, not forked
 
     # ------------------------------------------------------------------ derived values
     @property

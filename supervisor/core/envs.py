@@ -50,6 +50,34 @@ PER_ATTEMPT_ENV = (
 )
 
 
+# Variables that may differ between the local ranks of one node, and so between the
+# standbys one fork server forks (applied in each forked child): ``LOCAL_RANK`` and, with
+# a virtual local rank, a split ``CUDA_VISIBLE_DEVICES``. A rank whose environment differs
+# from the node's in anything else gets a standby of its own instead.
+PER_RANK_ENV = ("LOCAL_RANK", "CUDA_VISIBLE_DEVICES")
+
+
+def fork_server_env(standby_envs: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """The environment a node's fork server starts with: the first rank's standby
+    environment (per-attempt variables already out) less the per-rank variables.
+
+    The fork server runs ``sitecustomize``, ``.pth`` files and ``LD_PRELOAD`` constructors
+    once per node with it; a rank that differs in anything else is not forked from it
+    (``fork_mismatch``)."""
+    first = standby_envs[0] if standby_envs else {}
+    return {k: v for k, v in first.items() if k not in PER_RANK_ENV}
+
+
+def fork_mismatch(server_env: Mapping[str, str], standby_env: Mapping[str, str]) -> str | None:
+    """The first variable, other than the per-rank and per-attempt ones, in which a rank's
+    standby environment differs from the fork server's; None if it can be forked."""
+    skip = set(PER_RANK_ENV) | set(PER_ATTEMPT_ENV)
+    for name in sorted(server_env.keys() | standby_env.keys()):
+        if name not in skip and server_env.get(name) != standby_env.get(name):
+            return name
+    return None
+
+
 def worker_env(
     base: Mapping[str, str],
     layout: GroupLayout,

@@ -37,6 +37,7 @@ from supervisor.watchdog.timers import WatchdogStats
 
 if TYPE_CHECKING:
     from supervisor.workers.spawn import Start
+    from supervisor.workers.warm.memory import MemorySample
 
 NAMESPACE = "elastic_supervisor"
 
@@ -77,6 +78,14 @@ class OutputLossCounts(Protocol):
 
     @property
     def write_errors(self) -> int: ...
+
+
+class WarmCosts(Protocol):
+    """What the warm pool tells of the fork server (``warm.pool.Pool``)."""
+
+    def memory(self) -> MemorySample | None: ...
+
+    def fork_failures(self) -> dict[str, int]: ...
 
 
 class _Pulled(Collector):
@@ -345,6 +354,32 @@ class Metrics:
                                   "not be written to their log files.", output.lost_bytes)
             yield _counter_family("output_write_errors", "Failed writes of worker output to "
                                   "log files.", output.write_errors)
+
+        self.registry.register(_Pulled(read))
+
+    def watch_warm(self, pool: WarmCosts) -> None:
+        """Export the fork server's RSS, each forked standby's USS (the last sample, taken
+        off the loop at most every 10 s) and the fork servers that failed."""
+
+        def read() -> Iterable[Metric]:
+            sample = pool.memory()
+            rss = GaugeMetricFamily(f"{NAMESPACE}_fork_server_rss_bytes", "Resident memory "
+                                    "of the node's fork server (last sample).")
+            if sample is not None and sample.server_rss is not None:
+                rss.add_metric([], sample.server_rss)
+            yield rss
+            uss = GaugeMetricFamily(f"{NAMESPACE}_standby_uss_bytes", "Memory only this "
+                                    "forked standby holds (USS, last sample).",
+                                    labels=["local_rank"])
+            for rank, value in sorted((sample.standby_uss if sample else {}).items()):
+                uss.add_metric([str(rank)], value)
+            yield uss
+            failures = CounterMetricFamily(f"{NAMESPACE}_fork_server_failures", "Fork "
+                                           "servers that failed (cold starts followed), by "
+                                           "reason.", labels=["reason"])
+            for reason, count in sorted(pool.fork_failures().items()):
+                failures.add_metric([reason], count)
+            yield failures
 
         self.registry.register(_Pulled(read))
 

@@ -161,6 +161,27 @@ class WorkerGroup:
         self.pool.launched(attempt)
         return attempt, failed_to_start
 
+    def preview(self) -> tuple[list[str], list[dict[str, str]]] | None:
+        """Rank 0's command and every rank's environment as the first attempt will have
+        them, before the rendezvous (its per-attempt values are placeholders: a standby
+        never starts with those); None if they cannot be told yet."""
+        layout = GroupLayout(
+            run_id=self.run_id, role=self.settings.role,
+            local_world_size=self.settings.local_world_size, group_rank=0,
+            group_world_size=1, rank_offset=0, world_size=self.settings.local_world_size,
+            master_addr="", master_port=0, restart_count=0,
+            max_restarts=self.settings.max_restarts,
+            virtual_local_rank=self.settings.virtual_local_rank,
+        )
+        place = self.log_root / self.run_id / "preview"  # never made: only a name
+        try:
+            envs = [worker_env(self.environ, layout, rank, error_file=str(place),
+                               timer_file=self.timer_file)
+                    for rank in range(layout.local_world_size)]
+            return self.command(0, 0, place / "0"), envs
+        except Exception:  # an invalid layout fails at the launch, with its own message
+            return None
+
     def _rank_env(self, attempt: Attempt, local_rank: int) -> dict[str, str]:
         return worker_env(
             self.environ, attempt.layout, local_rank,

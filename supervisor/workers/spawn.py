@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 import msgspec
@@ -49,6 +50,18 @@ class ExitStatus(msgspec.Struct, frozen=True):
         return self.exit_code == 0
 
 
+class ChildProcess(Protocol):
+    """What a worker needs of its process: a ``Popen``, or a child the supervisor adopted
+    (a standby forked by the fork server, ``warm.forkserver.ForkedProcess``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Start:
     """How a worker started: in its rank's standby (warm) or cold, and for a cold one
@@ -63,7 +76,7 @@ class Worker:
     """A started worker. Only the monitor and the stopper touch it."""
 
     spec: WorkerSpec
-    popen: subprocess.Popen[bytes]
+    popen: ChildProcess
     pidfd: int
     started_at: float  # monotonic
     started_at_wall: float

@@ -150,8 +150,8 @@ async def test_failed_preload_means_a_cold_start_and_one_warning(tmp_path: Path)
             FAKE_WORKER, "--hang", "--usr1-exit", "1", "--fail-attempts", "1"]
     async with supervisor(args) as sup:
         pid = int((await sup.out.expect(r"^ready 0 (\d+) 0$")).group(1))
-        await sup.err.expect(
-            r"standby for local rank 0 discarded, the rank will start cold: preloading "
+        await sup.err.expect(  # the node's fork server failed (not a standby of its own)
+            r"fork server: preloading "
             r"'no_such_module_for_the_test' failed: ModuleNotFoundError")
         os.kill(pid, signal.SIGUSR1)  # the job goes on: the restart is cold
         await sup.out.expect(r"^ready 0 \d+ 1$")
@@ -233,7 +233,8 @@ async def test_preload_auto_learns_imports_and_never_preloads_a_rank_reader(
 
     installed = Path(psutil.__file__).read_bytes()
     args = [*BASE, "--max-restarts", "2", "--log-dir", str(tmp_path / "logs"),
-            "--preload", "auto", "--preload-after", "0", str(job_dir / "job.py"), str(out)]
+            "--preload", "auto", "--preload-after", "0", "--no-fork-server",
+            str(job_dir / "job.py"), str(out)]
     async with supervisor(args, env={"PYTHONPATH": str(site)}) as sup:
         # attempt 0 ran cold: its mapped extension modules (psutil) are preloaded
         await sup.err.expect(r"standby for local rank 0 preloaded auto in", timeout=60)

@@ -178,7 +178,7 @@ async def test_standbys_start_one_at_a_time(tmp_path: Path) -> None:
     gate = tmp_path / "gate"
     args = [*BASE, "--nproc-per-node", "3", "--max-restarts", "1", "--log-dir",
             str(tmp_path / "logs"), "--preload", "colorsys", "--preload-after", "0",
-            PROBE, str(out)]
+            "--no-fork-server", PROBE, str(out)]
     async with supervisor(args, env={"PROBE_GATE": str(gate)}, launcher=PATIENT) as sup:
         for _ in range(3):
             await sup.err.expect(r"standby for local rank \d preloaded colorsys")
@@ -200,7 +200,7 @@ async def test_a_stop_does_not_wait_for_the_standbys_yet_to_start(tmp_path: Path
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir",
             str(tmp_path / "logs"), "--preload", "gated_preload", "--preload-after", "0",
-            PROBE, str(out)]
+            "--no-fork-server", PROBE, str(out)]
     async with supervisor(args, env=env, cwd=tmp_path, launcher=PATIENT) as sup:
         first = int((await sup.err.expect(STANDBY_LINE)).group(2))  # importing, forever
         sup.signal(signal.SIGTERM)
@@ -237,7 +237,7 @@ async def test_a_worker_handed_over_mid_import_finishes_it_at_normal_priority(
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     logs = tmp_path / "logs"
     args = [*BASE, "--max-restarts", "1", "--log-dir", str(logs), "--preload",
-            "gated_preload", "--preload-after", "0", PROBE, str(out)]
+            "gated_preload", "--preload-after", "0", "--no-fork-server", PROBE, str(out)]
     async with supervisor(args, env=env, cwd=tmp_path) as sup:
         standby = int((await sup.err.expect(STANDBY_LINE)).group(2))
         with anyio.fail_after(30):  # until its import thread is in the preload

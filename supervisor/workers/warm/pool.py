@@ -16,19 +16,24 @@ import errno
 import logging
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import anyio.to_thread
+from anyio.abc import TaskGroup
 
 from supervisor.config import Settings
-from supervisor.core.envs import interpreter
+from supervisor.core.envs import PER_RANK_ENV, fork_mismatch, fork_server_env, interpreter
 from supervisor.core.snapshot import ProgressTable
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.spawn import DeathSignal, Start, Worker, WorkerSpec
 from supervisor.workers.warm import autopreload
+from supervisor.workers.warm.forkserver import ForkServerConfig, cold_path0
+from supervisor.workers.warm.forkslot import ForkSlot
+from supervisor.workers.warm.memory import MemorySample, MemorySampler
 from supervisor.workers.warm.standby import (
     PER_ATTEMPT_ENV,
     Standby,
@@ -78,6 +83,18 @@ class Pool(Protocol):
     def close(self) -> None:
         """Kill and reap every standby."""
 
+    async def start_tasks(self, tg: TaskGroup) -> None:
+        """Start the pool's run-long tasks (the fork server's) in the root task group."""
+
+    def warm_up(self, preview: tuple[list[str], list[dict[str, str]]] | None) -> None:
+        """Prepare what the first attempt's restart will need (before the rendezvous)."""
+
+    def memory(self) -> MemorySample | None:
+        """The last reading of the fork server's and the forked standbys' memory."""
+
+    def fork_failures(self) -> dict[str, int]:
+        """Fork servers that failed in this run, by reason."""
+
 
 class NullPool:
     """No standbys: every worker starts cold (``--no-warm-restart``)."""
@@ -106,6 +123,18 @@ class NullPool:
     def close(self) -> None:
         return None
 
+    async def start_tasks(self, tg: TaskGroup) -> None:
+        return None
+
+    def warm_up(self, preview: tuple[list[str], list[dict[str, str]]] | None) -> None:
+        return None
+
+    def memory(self) -> MemorySample | None:
+        return None
+
+    def fork_failures(self) -> dict[str, int]:
+        return {}
+
 
 @dataclass
 class _Wanted:
@@ -119,6 +148,7 @@ class _Wanted:
     pid: int  # the rank's current worker (its imports are what ``auto`` preloads)
     warm: bool
     exclude: frozenset[str]  # packages ``auto`` must leave out (read a per-attempt var)
+    path0: str | None = None  # the cold command's sys.path[0] (``forkserver.cold_path0``)
 
 
 @dataclass
@@ -151,8 +181,15 @@ class WarmPool:
         progress: ProgressTable,
         membership_can_change: bool,
         guardian: Guardian | None = None,
+        forks: ForkSlot | None = None,
     ) -> None:
         self.settings = settings
+        # the node's fork server (--preload under the daemon): standbys are forked from it
+        self.forks = forks
+        self.sampler = MemorySampler(self.memory_targets) if forks is not None else None
+        self._forked: set[int] = set()  # local ranks whose standby was forked
+        self._forked_from: dict[int, int] = {}  # local rank -> pid of the server it came from
+        self._node_auto: list[str] | None = None  # --preload auto: learned once per node
         self.python = python
         self.death = death
         self.progress = progress
@@ -178,6 +215,11 @@ class WarmPool:
         """Whether standbys import modules before they wait (``--preload``)."""
         return bool(self.options.preload) or self.options.auto
 
+    @property
+    def forking(self) -> bool:
+        """Whether standbys are forked from the node's fork server."""
+        return self.forks is not None and self.preloading and not self.forks.given_up
+
     def restart_possible(self, restart_count: int) -> bool:
         """Whether another attempt may follow this one (so standbys are worth their memory):
         failure restarts left, or a backend whose membership can change."""
@@ -192,17 +234,160 @@ class WarmPool:
         """Without preloading, plan the standbys now, before any event of this attempt is
         handled: a stop that begins before they are started waits for the spawn."""
         self._due = None
-        if self.restart_possible(attempt.layout.restart_count) and not self.preloading:
+        if self.restart_possible(attempt.layout.restart_count) and (
+                not self.preloading or self.forking):
             self._due = self._plan(attempt)
 
     async def run(self, attempt: Attempt) -> None:
         due, self._due = self._due, None
         if not self.restart_possible(attempt.layout.restart_count):
             return
-        if due is not None:
+        if due is not None and self.forking:
+            await self._fork_standbys(attempt, due)
+        elif due is not None:
             await self._start(due)
         else:
             await self._preload_when_resumed(attempt)
+
+    # ------------------------------------------------------------------ forked standbys
+    async def _fork_standbys(self, attempt: Attempt, due: StandbyPlan) -> None:
+        """Fork the next attempt's standbys right after the launch (milliseconds each),
+        from the fork server once it is ready; with ``auto``, learn the node's list from
+        the first attempt's workers, have a server import it, and fork again from it."""
+        assert self.forks is not None
+        config = self._fork_config(attempt)
+        if config is None:
+            self._drop(due)
+            return
+        if self.forks.usable_for(config):
+            self.forks.request(config)  # a replacement, if the list changed: later
+        elif not config.preload and not config.auto_names:
+            self._drop(due)  # auto, nothing learned yet: no server to fork from
+        elif not await self.forks.prepare(config):
+            self._drop(due)  # cold starts; a new server is tried at the next launch
+            for want in due.wanted:  # counted as standbys whose preload failed
+                self._pending_cold[want.rank] = "preload_failed"
+            if self.forks.given_up:  # as without the fork server, from now on
+                await self._preload_when_resumed(attempt)
+            return
+        if not due.halted:
+            await self._start(due)
+        if self.options.auto and self._node_auto is None:
+            await self._learn_auto(attempt)
+
+    async def _learn_auto(self, attempt: Attempt) -> None:
+        """``--preload auto`` learns once per node, from the first attempt's workers;
+        a second server imports the list, then the standbys are forked again from it."""
+        assert self.forks is not None
+        launched = time.monotonic()
+        await anyio.sleep(max(0.0, launched + AUTO_SETTLE - time.monotonic()))
+        if not _running(attempt):
+            return
+        names = await anyio.to_thread.run_sync(self._node_names, attempt)
+        self._node_auto = names
+        if not names:
+            return
+        config = self._fork_config(attempt)
+        if config is None or not await self.forks.prepare(config):
+            return
+        server = self.forks.server
+        stale = [r for r in self._forked if server is None
+                 or self._forked_from.get(r) != server.pid]
+        for rank in stale:  # forked before the list was learned: fork them again
+            standby = self.standbys.pop(rank, None)
+            if standby is not None:
+                self._discard(standby)
+        if self._attempt is attempt and _running(attempt):
+            await self._start(self._plan(attempt))
+
+    def _node_names(self, attempt: Attempt) -> list[str]:
+        """What the first attempt's workers imported, in order, every rank's (a thread)."""
+        found: dict[str, None] = {}
+        for worker in attempt.workers:
+            rank_dir = attempt.directory / str(worker.local_rank)
+            names = autopreload.read_record(rank_dir) if worker.start.warm else []
+            found.update(dict.fromkeys(names or autopreload.mapped_packages(worker.pid)))
+        logger.debug("--preload auto learned %d module(s) for the node: %s", len(found),
+                     ",".join(list(found)[:8]) + ("..." if len(found) > 8 else ""))
+        return list(found)
+
+    def warm_up(self, preview: tuple[list[str], list[dict[str, str]]] | None) -> None:
+        """At the supervisor's start (while the rendezvous forms): have the fork server
+        import the explicit ``--preload`` list for the command the first attempt will run,
+        so that an early crash finds it ready."""
+        if preview is None or not self.forking or not self.options.preload \
+                or not self.restart_possible(0):  # no restart to be warm for
+            return
+        argv, envs = preview
+        config = self._config_for(argv, None, envs)
+        if config is not None and self.forks is not None:
+            self.forks.request(config)
+
+    def _fork_config(self, attempt: Attempt) -> ForkServerConfig | None:
+        """The node's fork server for this attempt's command (None: it cannot run warm)."""
+        workers = attempt.workers
+        if not workers:
+            return None
+        first = workers[0].spec
+        return self._config_for(first.argv, first.cwd, [w.spec.env for w in workers])
+
+    def _config_for(self, argv: Sequence[str], cwd: str | None,
+                    envs: list[dict[str, str]]) -> ForkServerConfig | None:
+        prefix = interpreter(self.python)
+        if not Standby.accepts(prefix, argv):
+            return None
+        env = fork_server_env([standby_env(e) for e in envs])
+        return ForkServerConfig(
+            python=self.python, env=env, cwd=cwd,
+            path0=cold_path0(list(argv[len(prefix):]), cwd, env),
+            preload=self.options.preload, auto_names=tuple(self._node_auto or ()),
+            exclude=frozenset(self.auto_excluded), watch=(*PER_ATTEMPT_ENV, *PER_RANK_ENV),
+        )
+
+    def _fork(self, want: _Wanted) -> Standby | None:
+        """A standby forked for ``want`` (in a worker thread); None: the rank starts cold.
+        A rank whose environment is not the node's gets a started one."""
+        assert self.forks is not None
+        server = self.forks.server
+        if server is None:
+            return None
+        if fork_mismatch(server.config.env, want.env) is not None:
+            return self._spawn_started(want)
+        forked = self.forks.fork(want.env, want.cpus, want.rank)
+        if forked is None:
+            return None
+        config = server.config
+        logger.debug("standby for local rank %d forked as pid %d by the fork server "
+                     "(pid %d)", want.rank, forked.process.pid, server.pid)
+        self._forked.add(want.rank)
+        self._forked_from[want.rank] = server.pid
+        return Standby(forked.process, forked.sock, interpreter(self.python), want.env,
+                       (*config.preload, *config.auto_names))
+
+    async def start_tasks(self, tg: TaskGroup) -> None:
+        """The run-long tasks of the fork server: its slot, the memory sampler."""
+        if self.forks is not None:
+            await tg.start(self.forks.run)
+        if self.sampler is not None:
+            tg.start_soon(self.sampler.run)
+
+    def memory(self) -> MemorySample | None:
+        return self.sampler.last if self.sampler is not None else None
+
+    def memory_targets(self) -> tuple[int | None, dict[int, int]]:
+        """What the sampler reads: the ready fork server, the forked standbys."""
+        server = self.forks.server if self.forks is not None else None
+        return (server.pid if server is not None else None,
+                {r: s.pid for r, s in self.standbys.items() if r in self._forked})
+
+    def fork_failures(self) -> dict[str, int]:
+        return dict(self.forks.failures) if self.forks is not None else {}
+
+    def _drop(self, plan: StandbyPlan) -> None:
+        """A plan that will start nothing."""
+        plan.done.set()
+        if plan in self._plans:
+            self._plans.remove(plan)
 
     async def _preload_when_resumed(self, attempt: Attempt) -> None:
         """Preloading standbys for the next attempt, once this one has resumed.
@@ -248,10 +433,13 @@ class WarmPool:
             if rank in self.standbys or not Standby.accepts(interpreter(self.python),
                                                              worker.spec.argv):
                 continue
-            wanted.append(_Wanted(rank, standby_env(worker.spec.env), worker.spec.cwd,
+            env = standby_env(worker.spec.env)
+            path0 = cold_path0(worker.spec.argv[len(interpreter(self.python)):],
+                               worker.spec.cwd, env)
+            wanted.append(_Wanted(rank, env, worker.spec.cwd,
                                   worker.spec.cpus, attempt.directory / str(rank),
                                   worker.pid, worker.start.warm,
-                                  frozenset(self.auto_excluded)))
+                                  frozenset(self.auto_excluded), path0))
         plan = StandbyPlan(wanted, anyio.Event())
         if wanted:
             self._plans.append(plan)
@@ -342,11 +530,18 @@ class WarmPool:
 
     def _spawn(self, want: _Wanted) -> Standby | None:
         """Start one standby (in a worker thread); None if it cannot be started."""
+        self._forked.discard(want.rank)
+        if self.forking:
+            return self._fork(want)
+        return self._spawn_started(want)
+
+    def _spawn_started(self, want: _Wanted) -> Standby | None:
+        """Start one standby as a process of its own (its own preload)."""
         spec = self._auto_spec(want) if self.options.auto else None
         try:
             return spawn_standby(
                 want.rank, self.python, want.env, self.death, cwd=want.cwd,
-                cpus=want.cpus, options=self.options, auto_spec=spec,
+                cpus=want.cpus, options=self.options, auto_spec=spec, path0=want.path0,
             )
         except OSError as exc:
             autopreload.remove_spec(spec)
@@ -457,12 +652,16 @@ class WarmPool:
             self.guardian.forget(standby.pid)
 
     def pids(self) -> set[int]:
-        return {s.pid for s in self.standbys.values()}
+        forks = self.forks.pids() if self.forks is not None else set()
+        return {s.pid for s in self.standbys.values()} | forks
 
     def close(self) -> None:
         for pid in discard_all(self.standbys):
             if self.guardian is not None:
                 self.guardian.forget(pid)
+        self._forked.clear()
+        if self.forks is not None:
+            self.forks.close()
 
 
 def _running(attempt: Attempt) -> bool:

@@ -226,14 +226,17 @@ def spawn_standby(
     cpus: tuple[int, ...] | None = None,
     options: StandbyOptions | None = None,
     auto_spec: str | None = None,
+    path0: str | None = None,
 ) -> Standby:
     """Start the standby of one local rank with ``env`` (see ``standby_env``).
 
-    Raises OSError if it cannot be started."""
+    ``path0``: the ``sys.path[0]`` of the worker's cold command (``forkserver.cold_path0``),
+    put in place before anything of the user's is imported. Raises OSError if it cannot
+    be started."""
     options = options or StandbyOptions()
     prefix = interpreter(python)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    argv = [*prefix, "-c", standby_code()]
+    argv = [*prefix, "-c", standby_code(), path0 or ""]
     if options.preload or auto_spec:
         argv.append(",".join(options.preload))
     if auto_spec:

@@ -20,17 +20,26 @@
 
 
 def _standby() -> None:
+    import sys
+
+    # Our own imports must not find a user's file: drop the working directory that ``-c``
+    # put first (``_socket`` is not built in). The cold command's entry (argv[1]: the
+    # script's directory, the cwd for -m, "" for -c) goes first before anything of the
+    # user's (a preload, the worker) is imported, so both find what a cold start finds.
+    if not sys.flags.safe_path:
+        del sys.path[0]
     import _socket
     import _thread
     import marshal
     import os
-    import sys
 
     main = sys.modules["__main__"].__dict__
     initial = {k: v for k, v in main.items() if k != "_standby"}
     sock = _socket.socket(fileno=0)
-    preload = [m for m in sys.argv[1].split(",") if m] if len(sys.argv) > 1 else []
-    auto = sys.argv[2] if len(sys.argv) > 2 else None
+    if not sys.flags.safe_path:
+        sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else "")
+    preload = [m for m in sys.argv[2].split(",") if m] if len(sys.argv) > 2 else []
+    auto = sys.argv[3] if len(sys.argv) > 3 else None
     done = _thread.allocate_lock()
     failure: list[str] = []
     skipped: list[str] = []
@@ -44,19 +53,79 @@ def _standby() -> None:
         import importlib.metadata
         installed = importlib.metadata.packages_distributions()
         watch, reads = frozenset(spec["watch"]), []
+        watch_b = frozenset(os.fsencode(n) for n in watch)
+
+        def note(key: object) -> None:
+            if key in watch or key in watch_b:
+                reads.append(os.fsdecode(key) if isinstance(key, bytes) else str(key))
+
+        class WatchedCopy(dict):  # type: ignore[type-arg]
+            # os.environ.copy() while importing: its lookups count as reads too
+            def __getitem__(self, key: object) -> object:
+                note(key)
+                return dict.__getitem__(self, key)
+
+            def __contains__(self, key: object) -> bool:
+                note(key)
+                return dict.__contains__(self, key)
+
+            def get(self, key: object, default: object = None) -> object:
+                note(key)
+                return dict.get(self, key, default)
+
+            def copy(self) -> "WatchedCopy":
+                return WatchedCopy(self)
+
         base = type(os.environ)
 
         class Watched(base):  # type: ignore[valid-type,misc]
+            # os.environ[...], .get, os.getenv, `in`; a copy or an iteration looks up
+            # only names that are present, never a per-attempt one (absent here)
             def __getitem__(self, key: str) -> str:
-                if key in watch:
-                    reads.append(key)
+                note(key)
                 return base.__getitem__(self, key)
 
-        os.environ.__class__ = Watched
+            def __contains__(self, key: object) -> bool:
+                note(key)
+                return base.__contains__(self, key)
+
+            def copy(self) -> "WatchedCopy":
+                return WatchedCopy(base.copy(self))
+
+        def origin(top: str) -> str | None:
+            # the file the import system would take ``top`` from with this sys.path
+            found = sys.modules["_frozen_importlib_external"].PathFinder.find_spec(top)
+            if found is None:
+                return None
+            where = found.origin
+            if where in (None, "namespace") and found.submodule_search_locations:
+                where = next(iter(found.submodule_search_locations))
+            return os.path.realpath(where) if isinstance(where, str) else None
+
+        def installed_from(where: str, dists: list[str]) -> bool:
+            # under the directory one of the distributions is installed in
+            for dist_name in dists:
+                try:
+                    base = os.path.realpath(str(importlib.metadata.distribution(
+                        dist_name).locate_file("")))
+                except Exception:  # metadata unreadable: not evidence for the file
+                    continue
+                if where.startswith(os.path.join(base, "")):
+                    return True
+            return False
+
+        environs = [os.environ, os.environb]
+        for environ in environs:
+            environ.__class__ = Watched
         try:
             for name in spec["names"]:
                 top = name.partition(".")[0]
                 if top not in installed or top in spec["exclude"] or name in sys.modules:
+                    continue
+                where = origin(top)  # an installed name, but is it the installed file?
+                if where is None or not installed_from(where, installed.get(top, [])):
+                    skipped.append(f"{name} (would come from {where}, not from its "
+                                   f"installed distribution)")
                     continue
                 try:
                     __import__(name)
@@ -66,7 +135,8 @@ def _standby() -> None:
                     failure.append(f"T{top}\t{name!r} reads {reads[0]} while it imports")
                     return
         finally:
-            os.environ.__class__ = base
+            for environ in environs:
+                environ.__class__ = base
 
     if preload or auto:
         done.acquire()

@@ -1,0 +1,115 @@
+"""Restarts under ``--preload`` run in standbys forked from the node's fork server, and a
+fork server that dies means cold starts and a new server, never a failed job."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import urllib.request
+from pathlib import Path
+
+import anyio
+
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER, WORKERS
+
+PROBE = str(WORKERS / "probe_main.py")
+BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug"]
+
+
+def events(log_dir: Path) -> list[dict[str, object]]:
+    path = log_dir / "none" / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def warm_ranks(log_dir: Path) -> list[object]:
+    return [e.get("warm") for e in events(log_dir) if e["event"] == "group_started"]
+
+
+def get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return str(response.read().decode())
+
+
+async def metrics_of(text: str) -> str:
+    found = re.search(r"health endpoint on http://[^:]+:(\d+)", text)
+    assert found is not None
+    return await anyio.to_thread.run_sync(get, f"http://127.0.0.1:{found.group(1)}/metrics")
+
+
+async def test_a_restart_runs_in_a_standby_forked_from_the_fork_server(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = tmp_path / "logs"
+    gate = tmp_path / "gate"
+    args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(logs),
+            "--preload", "colorsys,xml.dom.minidom", PROBE, str(out)]
+    async with supervisor(args, env={"PROBE_GATE": str(gate)}) as sup:
+        server = int((await sup.err.expect(r"fork server \(pid (\d+)\) ready")).group(1))
+        for _ in range(2):
+            await sup.err.expect(rf"standby for local rank \d forked as pid \d+ by the fork "
+                                 rf"server \(pid {server}\)")
+        gate.touch()  # now restart 0 may fail
+        assert await sup.wait() == 0
+    # started while the rendezvous formed, for the command the launch then ran: one server
+    assert sup.err.text().count("ready: preloaded") == 1
+    assert warm_ranks(logs) == [None, [0, 1]]
+    for rank in range(2):
+        cold = json.loads((out / f"0_{rank}.json").read_text())
+        warm = json.loads((out / f"1_{rank}.json").read_text())
+        assert "xml.dom.minidom" not in cold["modules"]
+        assert "xml.dom.minidom" in warm["modules"]
+        for key in ("argv", "path0", "path", "main_keys", "stdin", "stdout", "stderr",
+                    "own_group", "signals", "spawned_child"):
+            assert warm[key] == cold[key], key
+
+
+async def test_a_dead_fork_server_means_cold_starts_and_a_new_server(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    args = [*BASE, "--max-restarts", "2", "--log-dir", str(logs), "--preload",
+            "xml.dom.minidom", FAKE_WORKER, "--hang", "--usr1-exit", "1", "--fail-attempts", "1"]
+    async with supervisor(args) as sup:
+        pid = int((await sup.out.expect(r"^ready 0 (\d+) 0$")).group(1))
+        server = int((await sup.err.expect(r"fork server \(pid (\d+)\) ready")).group(1))
+        await sup.err.expect(r"standby for local rank 0 forked as pid \d+")
+        os.kill(server, signal.SIGKILL)  # its standby lives on: the restart is warm
+        os.kill(pid, signal.SIGUSR1)
+        await sup.out.expect(r"^ready 0 \d+ 1$")
+        await sup.err.expect(rf"fork server \(pid {server}\) died: killed by signal 9: "
+                             r"ranks without a standby start cold")
+        await sup.err.expect(rf"fork server \(pid (?!{server}\))\d+\) ready")
+        text = await metrics_of(sup.err.text())
+        assert re.search(r'fork_server_failures_total\{reason="died"\} 1\.0', text), text
+        sup.signal(signal.SIGTERM)
+        assert await sup.wait() == 128 + signal.SIGTERM  # not a job failure
+    assert warm_ranks(logs) == [None, [0]]
+    restarts = [e for e in events(logs) if e["event"] == "group_started"]
+    assert len(restarts) == 2  # the server's death used none of the restart budget
+
+
+async def test_auto_learns_once_per_node_and_a_second_server_preloads_it(
+        tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = tmp_path / "logs"
+    gate = tmp_path / "gate"
+    probe = str(WORKERS / "fork_probe.py")
+    args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(logs),
+            "--preload", "auto", probe, str(out)]
+    # the cold workers import psutil (an extension module: read from their maps)
+    env = {"SHADOW": "psutil", "PROBE_GATE": str(gate)}
+    async with supervisor(args, env=env) as sup:
+        await sup.err.expect(r"fork server \(pid \d+\) ready: preloaded auto", timeout=60)
+        for _ in range(2):
+            await sup.err.expect(r"standby for local rank \d forked as pid", timeout=30)
+        gate.touch()
+        assert await sup.wait() == 0
+    assert sup.err.text().count("ready: preloaded auto") == 1  # learned once, one server
+    assert warm_ranks(logs) == [None, [0, 1]]
+    for rank in range(2):
+        cold = json.loads((out / f"r0_{rank}.json").read_text())
+        warm = json.loads((out / f"r1_{rank}.json").read_text())
+        assert "psutil" not in cold["modules_at_start"]
+        assert "psutil" in warm["modules_at_start"]
