@@ -53,6 +53,7 @@ from supervisor.preflight import (
     check_event_log,
     check_hang_dump,
     check_master_addr,
+    check_run_dir,
     check_runnable,
     check_timer_file,
     make_log_root,
@@ -74,7 +75,7 @@ from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancest
 from supervisor.workers.group import WorkerGroup
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
 from supervisor.workers.output import OutputPlan, OutputSpecError
-from supervisor.workers.spawn import DeathSignal
+from supervisor.workers.spawn import SPAWNER, DeathSignal
 from supervisor.workers.topology import cpus_for
 from supervisor.workers.warm.forkslot import ForkSlot
 from supervisor.workers.warm.pool import NullPool, Pool, WarmPool
@@ -90,6 +91,7 @@ def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None)
     env = dict(os.environ if environ is None else environ)
     configure_logging(settings.log_level, settings.log_format)
     faulthandler.enable()  # a watchdog SIGABRT then leaves every thread's stack in the log
+    SPAWNER.start()  # every child is forked from it (spawn.Spawner says why)
     try:
         return anyio.run(supervise, settings, env).exit_code
     except ConfigError as exc:
@@ -102,6 +104,8 @@ def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None)
         if matched is None or rest is not None:
             raise
         return _config_error(_first_leaf(matched))
+    finally:
+        SPAWNER.stop()  # last: every child of ours is reaped by now
 
 
 def _config_error(exc: BaseException) -> int:
@@ -150,7 +154,8 @@ async def supervise(
     run_id = resolve_run_id(settings)
     log_root = make_log_root(settings)
     event_log = Path(settings.event_log or log_root / run_id / "events.jsonl")
-    check_event_log(event_log, "event_log" if settings.event_log else "log_dir")
+    check_run_dir(log_root, run_id)
+    check_event_log(event_log, "event_log" if settings.event_log else "log_dir", log_root)
     runtime = RuntimeDir.create(environ)  # before the rendezvous: a c10d host's etcd data
     timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
     sock: socket.socket | None = None
@@ -181,7 +186,7 @@ async def supervise(
             sock.close()  # the Python API's caller lives on: leak nothing
         runtime.cleanup()
         raise
-    events = EventLog(event_log, run_id)
+    events = EventLog(event_log, run_id, root=log_root)
     etcd = rendezvous.etcd_service()
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
     reporter = StatusReporter(notifier)

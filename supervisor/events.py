@@ -33,6 +33,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from supervisor.core.snapshot import cap_text
+from supervisor.safepaths import open_below
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,12 @@ RETRY_INTERVAL = 1.0  # seconds between retries while events are pending
 class EventLog:
     """Appends one JSON object per line to ``path`` (or nowhere if ``path`` is None)."""
 
-    def __init__(self, path: str | Path | None, run_id: str) -> None:
+    def __init__(self, path: str | Path | None, run_id: str, *,
+                 root: Path | None = None) -> None:
+        """``root``: the log directory ``path`` is below (nothing below it is followed
+        through a symlink: ``safepaths``); None: the file's own directory."""
         self.path = Path(path) if path is not None else None
+        self.root = root
         self.run_id = run_id
         self.attempt = 0
         self.count = 0
@@ -67,9 +72,7 @@ class EventLog:
         if self.path is None:
             return
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-            self._fd = os.open(self.path, flags, 0o640)
+            self._fd = open_below(self.root or self.path.parent, self.path, create_dirs=True)
         except OSError as exc:
             if not self._error:
                 logger.error("cannot open event log %s: %s", self.path, exc)

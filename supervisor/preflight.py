@@ -19,6 +19,7 @@ from pathlib import Path
 
 from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, Settings
 from supervisor.rendezvous.registry import BACKENDS
+from supervisor.safepaths import open_below, prepare_run_dir
 from supervisor.watchdog.escalate import HangDump, resolve_hang_dump
 from supervisor.watchdog.fifo import FifoError, check_fifo_path
 
@@ -164,15 +165,25 @@ def make_log_root(settings: Settings) -> Path:
         message = f"log_dir: cannot create a directory in {tempfile.gettempdir()}: {_reason(exc)}"
         raise ConfigError(message + " (set --log-dir or TMPDIR)") from None
 
-def check_event_log(path: Path, setting: str) -> None:
-    """Open the event log for append once, now: an unusable path stops the start with one
-    line (later write errors are logged and the job goes on)."""
+def check_run_dir(log_root: Path, run_id: str) -> None:
+    """``LOG_DIR/RUN_ID`` is made (or found) without following a symlink, and must be this
+    user's and not writable by others: a one-line exit 2 otherwise (``safepaths``)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o640)
+        prepare_run_dir(log_root, run_id)
+    except OSError as exc:
+        raise ConfigError(f"log_dir: unsafe run directory: {_reason(exc)}") from None
+
+
+def check_event_log(path: Path, setting: str, log_root: Path) -> None:
+    """Open the event log for append once, now: an unusable path stops the start with one
+    line (later write errors are logged and the job goes on). Nothing below the log
+    directory is followed through a symlink."""
+    try:
+        fd = open_below(log_root, path, create_dirs=True)
     except OSError as exc:
         raise ConfigError(f"{setting}: cannot open the event log {path}: {_reason(exc)}") from None
     os.close(fd)
+
 
 def _reason(exc: OSError) -> str:
     return exc.strerror or str(exc)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import urllib.error
@@ -34,6 +35,11 @@ EXIT_OK = 0
 EXIT_UNREACHABLE = 1
 EXIT_USAGE = 2
 PROG = "elastic-supervisor status"
+MAX_ROWS = 10_000  # nodes shown by the job-wide view
+MAX_CELL = 60  # characters of one cell of its table
+# Control characters (C0 but newline, DEL, C1) and bidi overrides: what a sibling's
+# summary could use to move the cursor, clear the screen or retitle the terminal.
+_CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 class StatusError(Exception):
@@ -71,10 +77,10 @@ def main_status(argv: list[str]) -> int:
                 "line; pass --url http://HOST:PORT)") if ns.url == DEFAULT_URL else ""
         sys.stderr.write(f"{PROG}: {exc}{hint}\n")
         return EXIT_UNREACHABLE
-    if ns.json:
+    if ns.json:  # json.dumps escapes every control character (ensure_ascii)
         sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     else:
-        sys.stdout.write(format_status(doc))
+        sys.stdout.write(clean(format_status(doc)))
     return EXIT_OK
 
 
@@ -167,32 +173,39 @@ def _job_status(ns: argparse.Namespace) -> int:
         sys.stderr.write(f"{PROG}: error: {exc}\n")
         return EXIT_USAGE
     try:
-        rows = _read_job(config, ns.timeout)
+        rows, skipped = _read_job(config, ns.timeout)
     except StatusError as exc:
         sys.stderr.write(f"{PROG}: {exc}\n")
         return EXIT_UNREACHABLE
     now = time.time()
+    if skipped:
+        sys.stderr.write(f"{PROG}: skipped {skipped} malformed node summary(ies) in etcd\n")
+    if len(rows) > MAX_ROWS:
+        sys.stderr.write(f"{PROG}: showing the first {MAX_ROWS} of {len(rows)} nodes\n")
+        rows = rows[:MAX_ROWS]
     if ns.json:
         from supervisor.rendezvous.summary import goodput_now
 
         for row in rows:
             row["goodput_now"] = goodput_now(row, now)
+        # ensure_ascii: a sibling's control characters arrive escaped, never raw
         sys.stdout.write(json.dumps(rows, indent=2, sort_keys=True) + "\n")
     else:
-        sys.stdout.write(format_job(ns.rdzv_id, rows, now))
+        sys.stdout.write(clean(format_job(ns.rdzv_id, rows, now)))
     return EXIT_OK
 
 
-def _read_job(config: EtcdRendezvousConfig, timeout: float) -> list[dict[str, Any]]:
+def _read_job(config: EtcdRendezvousConfig, timeout: float
+              ) -> tuple[list[dict[str, Any]], int]:
     import anyio
 
     from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
-    from supervisor.rendezvous.summary import read_summaries
+    from supervisor.rendezvous.summary import read_job
 
-    async def read() -> list[dict[str, Any]]:
+    async def read() -> tuple[list[dict[str, Any]], int]:
         async with EtcdClient(config.endpoints, timeout=timeout, tls=config.tls,
                               user=config.user, password=config.password) as client:
-            return await read_summaries(client, config.run_id)
+            return await read_job(client, config.run_id)
 
     try:
         return anyio.run(read)
@@ -216,14 +229,12 @@ def format_job(run_id: str, rows: Sequence[dict[str, Any]], now_wall: float) -> 
         share = None if g is None else g["ratio"]
         ratio = ("-" if g is None else "unknown" if share is None else f"{100 * share:.1f}%")
         lost = "-" if g is None else _duration(g["lost"])
-        failure = str(row.get("last_failure") or "-")
-        table.append((
+        table.append(tuple(_cell(text) for text in (
             str(row.get("node_id")), _dash(row.get("node_rank")), str(row.get("host")),
             str(row.get("state")), _dash(row.get("attempt")),
             f"{row.get('restarts')}/{row.get('max_restarts')}", ratio, lost,
-            failure if len(failure) <= 60 else failure[:57] + "...",
-            _dash(row.get("health_url")),
-        ))
+            str(row.get("last_failure") or "-"), _dash(row.get("health_url")),
+        )))
     return f"job {run_id}: {len(rows)} node(s)\n" + "\n".join(_table(table)) + "\n"
 
 
@@ -363,6 +374,16 @@ def _worker_row(w: dict[str, Any]) -> tuple[str, ...]:
         str(w.get("local_rank")), str(w.get("global_rank")), _dash(w.get("pid")),
         str(w.get("state")), exit_text, progress,
     )
+
+
+def clean(text: str) -> str:
+    """``text`` with every control character but newline shown as ``?``."""
+    return _CONTROL.sub("?", text)
+
+
+def _cell(text: str) -> str:
+    text = clean(text).replace("\n", " ")
+    return text if len(text) <= MAX_CELL else text[: MAX_CELL - 3] + "..."
 
 
 def _dash(value: object) -> str:

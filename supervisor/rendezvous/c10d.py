@@ -30,6 +30,7 @@ if given, else the lease TTL (10 s by default).
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import logging
 import math
@@ -39,7 +40,8 @@ import shutil
 import signal
 import socket
 import subprocess
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -54,6 +56,13 @@ from supervisor.rendezvous.base import (
     RendezvousError,
     RendezvousResult,
 )
+from supervisor.rendezvous.c10d_access import (
+    ListenPlan,
+    LoopbackTls,
+    check_port_owner,
+    enable_auth,
+    listen_plan,
+)
 from supervisor.rendezvous.conf import read_conf
 from supervisor.rendezvous.etcd import (
     EtcdRendezvous,
@@ -62,7 +71,7 @@ from supervisor.rendezvous.etcd import (
     RendezvousConfigError,
     make_config,
 )
-from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
+from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdUnavailable
 from supervisor.rendezvous.static import StaticRendezvous
 
 logger = logging.getLogger(__name__)
@@ -77,12 +86,19 @@ ETCD_MISSING = (
     "existing etcd cluster"
 )
 
+AUTH_GRACE = 2.0  # seconds a hosted etcd with auth on may refuse us before that is final
+AUTH_REFUSED = (
+    "c10d: the hosted etcd refuses this supervisor once user auth is on ({exc}); etcd 3.4's "
+    "JSON gateway refuses client certificates that carry a Common Name when auth is "
+    "enabled: use certificates without a CN (docs/rendezvous.md)"
+)
+
 # --rdzv-conf keys: torchrun's c10d keys, then those of our etcd backend that apply here
 _TORCHRUN_KEYS = ("join_timeout", "timeout", "last_call_timeout", "close_timeout",
                   "read_timeout", "is_host")
 _ETCD_KEYS = ("lease_ttl", "exit_barrier_timeout", "request_timeout", "outage_limit",
-              "node_id")
-_ETCD_ONLY_KEYS = ("protocol", "cacert", "cert", "key", "user", "password_file")
+              "node_id", "cacert", "cert", "key", "user", "password_file")
+_ETCD_ONLY_KEYS = ("protocol",)  # TLS is implied by the files: no protocol= for c10d
 _TRUE, _FALSE = ("1", "true", "t", "yes", "y"), ("0", "false", "f", "no", "n")
 
 
@@ -95,6 +111,12 @@ class C10dConfig:
     is_host: bool | None  # None: decide as torchrun does
     close_timeout: float
     etcd: EtcdRendezvousConfig
+    local_addr: str | None = None  # --local-addr: the hosted etcd serves it too
+
+    @property
+    def secured(self) -> bool:
+        """Whether the hosted etcd requires client certificates (cacert, cert, key)."""
+        return self.etcd.tls is not None
 
     @property
     def endpoint(self) -> str:
@@ -185,9 +207,26 @@ def make_c10d_config(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str 
         limit = _positive("read_timeout", own["read_timeout"]) if "read_timeout" in own \
             else float(conf.lease_ttl)
     etcd = replace(conf, outage_limit=limit)
+    _check_tls(etcd)
     close = _positive("close_timeout", own["close_timeout"]) if "close_timeout" in own else 30.0
     is_host = _boolean("is_host", own["is_host"]) if "is_host" in own else None
-    return C10dConfig(host, port, is_host, close, etcd)
+    return C10dConfig(host, port, is_host, close, etcd, local_addr or None)
+
+
+def _check_tls(conf: EtcdRendezvousConfig) -> None:
+    """The host serves with ``cert``/``key`` and admits clients signed by ``cacert``, so a
+    secured c10d job needs all three; a password only ever crosses TLS."""
+    tls = conf.tls
+    if tls is not None:
+        missing = [k for k in ("cacert", "cert", "key") if getattr(tls, k) is None]
+        _check(not missing, f"--rdzv-conf: c10d with TLS needs cacert=, cert= and key= "
+                            f"(the host serves with cert/key and admits the clients cacert "
+                            f"signed); missing {', '.join(k + '=' for k in missing)}")
+    _check(conf.user is None or tls is not None,
+           "--rdzv-conf: c10d user= needs TLS (cacert=, cert=, key=): a password never "
+           "crosses the network in clear")
+    _check(conf.user is None or conf.password is not None,
+           "--rdzv-conf: c10d user= needs password_file=")
 
 
 # ---------------------------------------------------------------------- who hosts
@@ -222,23 +261,6 @@ def _addrinfo(host: str) -> list[tuple[str, str]]:
     return [(canon, str(sockaddr[0])) for _, _, _, canon, sockaddr in found]
 
 
-def listen_ip(host: str) -> str:
-    """The IP address etcd listens on: what ``host`` resolves to, IPv4 first.
-
-    A name other than ``localhost`` that resolves only to loopback here is the machine's
-    own name mapped to 127.0.x.1 in /etc/hosts (Debian does this), while the other nodes
-    resolve it to a routable address: then every interface, as torchrun's store listens."""
-    try:
-        return str(ipaddress.ip_address(host))
-    except ValueError:
-        pass
-    found = [ip for _, ip in _addrinfo(host)]
-    _check(bool(found), f"--rdzv-endpoint: cannot resolve {host!r}")
-    if host != "localhost" and all(ipaddress.ip_address(ip).is_loopback for ip in found):
-        return "0.0.0.0"
-    return next((ip for ip in found if ":" not in ip), found[0])
-
-
 def port_is_free(ip: str, port: int) -> bool:
     """Whether ``ip:port`` can be bound now (with SO_REUSEADDR, as etcd binds)."""
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
@@ -271,54 +293,112 @@ class HostedEtcd:
         self.name = f"c10d-{tag}"
         self.data_dir = runtime_dir / f"c10d-etcd-{tag}"
         self.log_path = runtime_dir / f"c10d-etcd-{tag}.log"
-        self.private = ""  # this server's own loopback client URL
+        self.scheme = "https" if config.secured else "http"
+        self.private = f"{self.scheme}://127.0.0.1:{_free_loopback_port()}"  # ours alone
+        self.peer = f"http://127.0.0.1:{_free_loopback_port()}"
+        self.auth_on = False  # etcd's user auth is enabled (user= in --rdzv-conf)
+        self._kept = False  # stopped to serve more addresses: start on the same data
         self.popen: subprocess.Popen[bytes] | None = None
 
     @property
     def pid(self) -> int | None:
         return self.popen.pid if self.popen is not None else None
 
-    def command(self, ip: str) -> list[str]:
+    def command(self, ips: Sequence[str]) -> list[str]:
+        """etcd's command line, serving ``ips`` (none: the private loopback URL only)."""
         cfg = self.config
-        self.private = f"http://127.0.0.1:{_free_loopback_port()}"
-        peer = f"http://127.0.0.1:{_free_loopback_port()}"
-        return [
+        listen = [f"{self.scheme}://{_bracket(ip)}:{cfg.port}" for ip in ips]
+        argv = [
             self.binary, "--name", self.name, "--data-dir", str(self.data_dir),
-            "--listen-client-urls", f"http://{_bracket(ip)}:{cfg.port},{self.private}",
-            "--advertise-client-urls", f"http://{cfg.endpoint}",
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{self.name}={peer}", "--initial-cluster-token", self.name,
+            "--listen-client-urls", ",".join([*listen, self.private]),
+            "--advertise-client-urls", f"{self.scheme}://{cfg.endpoint}",
+            "--listen-peer-urls", self.peer, "--initial-advertise-peer-urls", self.peer,
+            "--initial-cluster", f"{self.name}={self.peer}", "--initial-cluster-token", self.name,
             "--initial-cluster-state", "new",
             # one member, no peers: only the first election waits for these
             "--heartbeat-interval", "10", "--election-timeout", "100",
             "--logger", "zap", "--log-outputs", "stderr", "--log-level", "warn",
         ]
+        tls = cfg.etcd.tls
+        if tls is not None:  # client certificates from the first request on
+            argv += ["--cert-file", str(tls.cert), "--key-file", str(tls.key),
+                     "--trusted-ca-file", str(tls.cacert), "--client-cert-auth"]
+        return argv
 
-    def start(self, ip: str) -> None:
+    def start(self, ips: Sequence[str], *, fresh: bool = True) -> None:
         from supervisor.workers.spawn import DeathSignal
 
-        shutil.rmtree(self.data_dir, ignore_errors=True)  # fresh: never an old job's keys
-        argv = [*DeathSignal().prefix(), *self.command(ip)]
+        if fresh:
+            shutil.rmtree(self.data_dir, ignore_errors=True)  # never an old job's keys
+        argv = [*DeathSignal().prefix(), *self.command(ips)]
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
                 argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, close_fds=True,
                 start_new_session=True,  # a terminal's Ctrl-C reaches the supervisors first
             )
-        logger.info("c10d: started etcd (pid %d) for %s, listening on %s:%d",
-                    self.popen.pid, self.config.endpoint, ip, self.config.port)
+        where = ", ".join(f"{ip}:{self.config.port}" for ip in ips) or "loopback (private)"
+        logger.info("c10d: started etcd (pid %d) for %s, listening on %s", self.popen.pid,
+                    self.config.endpoint, where)
+
+    def client(self) -> EtcdClient:
+        """A client of the private loopback URL (with the job's user once auth is on)."""
+        tls = self.config.etcd.tls
+        loopback = LoopbackTls(tls.cacert, tls.cert, tls.key) if tls is not None else None
+        etcd = self.config.etcd
+        return EtcdClient([self.private], timeout=0.5, tls=loopback,
+                          user=etcd.user if self.auth_on else None,
+                          password=etcd.password if self.auth_on else None)
 
     async def wait_healthy(self) -> bool:
         """True once this server answers a read; False if it exited first. Polls: the one
         place where waiting for a server to come up has nothing to wait on."""
         assert self.popen is not None
-        async with EtcdClient([self.private], timeout=0.5) as client:
+        refused_since: float | None = None
+        async with self.client() as client:
             with anyio.fail_after(STARTUP_TIMEOUT):
                 while self.popen.poll() is None:
-                    with contextlib.suppress(EtcdError):
+                    try:
                         await client.get("/elastic-supervisor/c10d-health")
                         return True
+                    except EtcdUnavailable:
+                        pass  # not listening yet
+                    except EtcdError as exc:
+                        # up, and refusing us: after a short grace (a member that just
+                        # restarted may answer oddly once), waiting cannot help
+                        now = time.monotonic()
+                        refused_since = now if refused_since is None else refused_since
+                        if self.auth_on and now - refused_since > AUTH_GRACE:
+                            raise RendezvousError(AUTH_REFUSED.format(exc=exc)) from None
                     await anyio.sleep(0.02)
         return False
+
+    async def enable_auth(self) -> None:
+        """etcd's user auth on (through the private URL; the server serves nothing else
+        yet), then ``auth_on``."""
+        etcd = self.config.etcd
+        assert etcd.user is not None and etcd.password is not None
+        async with self.client() as client:
+            await enable_auth(client, etcd.user, etcd.password)
+        self.auth_on = True
+        logger.info("c10d: etcd user auth enabled for user %s", etcd.user)
+
+    async def start_on_spawner(self, ips: Sequence[str]) -> None:
+        """``start`` on the spawner thread (its death signal: ``spawn.Spawner``), keeping
+        the data of a server stopped by ``stop_keeping_data``."""
+        from supervisor.workers.spawn import SPAWNER
+
+        await SPAWNER.spawn(functools.partial(self.start, ips, fresh=not self._kept))
+
+    async def stop_keeping_data(self) -> None:
+        """Stop the server; the next start keeps its data (the auth just enabled)."""
+        popen, self.popen = self.popen, None
+        if popen is not None:
+            with anyio.CancelScope(shield=True):
+                await _terminate(popen)
+        self._kept = True
+        # a fresh private port: the old one is free for anyone until the restart binds it
+        # (the peer URL must stay: the member's data names it)
+        self.private = f"{self.scheme}://127.0.0.1:{_free_loopback_port()}"
 
     def failure(self) -> str:
         """The last line of the server's log (why it exited)."""
@@ -330,7 +410,7 @@ class HostedEtcd:
 
     async def other_leases(self) -> int:
         """How many leases the server holds (every live node holds one)."""
-        async with EtcdClient([self.private], timeout=0.5) as client:
+        async with self.client() as client:
             data = await client.call("/v3/lease/leases", {})
         return len(data.get("leases") or [])
 
@@ -362,6 +442,10 @@ async def _terminate(popen: subprocess.Popen[bytes]) -> None:
 
 
 # ---------------------------------------------------------------------- the backend
+
+
+class _LostTheRace(Exception):
+    """Another supervisor of ours bound the port first: join it as a client."""
 
 
 class C10dRendezvous:
@@ -410,49 +494,84 @@ class C10dRendezvous:
             wanted = await anyio.to_thread.run_sync(matches_this_machine, cfg.host)
         if not wanted:
             return False
-        ip = await self._listen_ip()
-        if cfg.is_host is None and not port_is_free(ip, cfg.port):
-            logger.info("c10d: %s is taken: another supervisor hosts, joining it as a client",
-                        cfg.endpoint)
+        plan = await self._listen_plan()
+        if cfg.is_host is None and not all(port_is_free(ip, cfg.port) for ip in plan.ips):
+            self._check_port_owner()
+            logger.info("c10d: %s is taken by this user: another supervisor hosts, joining "
+                        "it as a client", cfg.endpoint)
             return False
         if self.etcd_binary is None:
             raise RendezvousError(ETCD_MISSING.format(endpoint=cfg.endpoint))
         return True
 
+    def _check_port_owner(self) -> None:
+        check_port_owner(self.config.endpoint, self.config.port)
+
     async def _host(self) -> None:
-        """Start the etcd child; join as a client if another process bound the port first."""
+        """Start the etcd child; join as a client if another process of ours bound the
+        port first. With user auth, the server first serves its private loopback URL
+        only, until auth is on, then the public addresses."""
         assert self.etcd_binary is not None
         cfg = self.config
-        ip = await self._listen_ip()
+        plan = await self._listen_plan()
+        logger.info("c10d: the hosted etcd binds %s (%s)", ", ".join(plan.ips), plan.why)
         server = HostedEtcd(self.etcd_binary, cfg, self.runtime_dir)
+        self.server = server
         try:
-            server.start(ip)
+            if cfg.etcd.user is not None:
+                await self._start(server, ())
+                await self._until_healthy(server, plan)
+                await self._naming_auth(server.enable_auth())
+                await server.stop_keeping_data()
+            await self._start(server, plan.ips)
+            await self._until_healthy(server, plan)
+        except _LostTheRace:
+            await self._drop_server()
+            return
+        except BaseException:
+            await self._drop_server()
+            raise
+        logger.info("c10d: this node hosts the rendezvous at %s", cfg.endpoint)
+        if not cfg.secured:
+            logger.warning(
+                "c10d: the rendezvous at %s has no authentication: %s can read and change "
+                "the job (the workers' MASTER_ADDR included); give --rdzv-conf "
+                "cacert=,cert=,key= (docs/security.md)", cfg.endpoint,
+                "any local user" if plan.loopback_only else "anyone who reaches the port")
+
+    async def _start(self, server: HostedEtcd, ips: Sequence[str]) -> None:
+        try:
+            await server.start_on_spawner(ips)
         except OSError as exc:
             raise RendezvousError(f"c10d: cannot start {self.etcd_binary}: {exc}") from None
-        self.server = server
+
+    async def _until_healthy(self, server: HostedEtcd, plan: ListenPlan) -> None:
+        cfg = self.config
         try:
             healthy = await server.wait_healthy()
         except TimeoutError:
-            reason = server.failure()
-            await self._drop_server()
             raise RendezvousError(f"c10d: the etcd for {cfg.endpoint} was not healthy within "
-                                  f"{STARTUP_TIMEOUT:g}s: {reason}") from None
+                                  f"{STARTUP_TIMEOUT:g}s: {server.failure()}") from None
         if healthy:
-            logger.info("c10d: this node hosts the rendezvous at %s", cfg.endpoint)
             return
         reason = server.failure()
-        await self._drop_server()
-        if cfg.is_host is None and not port_is_free(ip, cfg.port):
+        if cfg.is_host is None and not all(port_is_free(ip, cfg.port) for ip in plan.ips):
+            self._check_port_owner()
             logger.info("c10d: another supervisor bound %s first, joining it as a client",
                         cfg.endpoint)
-            return
+            raise _LostTheRace
         raise RendezvousError(f"c10d: the etcd for {cfg.endpoint} exited: {reason}")
 
-    async def _listen_ip(self) -> str:
+    async def _naming_auth(self, step: Awaitable[None]) -> None:
         try:
-            return await anyio.to_thread.run_sync(listen_ip, self.config.host)
-        except RendezvousConfigError as exc:
-            raise RendezvousError(str(exc)) from None
+            await step
+        except EtcdError as exc:
+            raise RendezvousError(f"c10d: cannot enable etcd user auth on the hosted etcd: "
+                                  f"{exc}") from None
+
+    async def _listen_plan(self) -> ListenPlan:
+        return await anyio.to_thread.run_sync(listen_plan, self.config.host,
+                                              self.config.local_addr)
 
     async def _drop_server(self) -> None:
         if self.server is not None:

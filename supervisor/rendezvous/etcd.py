@@ -30,6 +30,7 @@ from dataclasses import asdict
 from typing import Any
 
 import anyio
+import msgspec
 from anyio.abc import TaskStatus
 
 from supervisor.core.partition import standing_since
@@ -41,6 +42,7 @@ from supervisor.rendezvous.base import (
     RendezvousResult,
     free_port,
 )
+from supervisor.rendezvous.decode import BadValue, bounded
 from supervisor.rendezvous.etcd_client import (
     EtcdClient,
     EtcdError,
@@ -452,6 +454,20 @@ class EtcdRendezvous:
             self._held[key] = (value, guard if restore_guard is None else restore_guard)
         return ok
 
+    @asynccontextmanager
+    async def _closing_on_bad_value(self) -> AsyncIterator[None]:
+        """A value this node cannot read ends the job here: close it for the others too
+        (best effort, bounded), so that none waits for this node until a timeout."""
+        try:
+            yield
+        except BadValue as exc:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(self.config.lease_ttl):
+                try:
+                    await self._close(ok=False, reason=str(exc))
+                except EtcdError as error:
+                    logger.warning("cannot close the job for the other nodes: %s", error)
+            raise
+
     # rounds
 
     async def next_round(self, local_world_size: int) -> RendezvousResult:
@@ -466,10 +482,11 @@ class EtcdRendezvous:
         self.waiting = WaitProgress("this node's next round", self._clock.started_wall, 0.0,
                                     needed=self.config.min_nodes, max_nodes=self.config.max_nodes)
         try:
-            with _etcd_errors("joining a round"), self._join_deadline():
-                if self._last_round < 0 and self._joined < 0:
-                    await self._arrive(local_world_size)
-                result = await self._rendezvous(local_world_size, started)
+            async with self._closing_on_bad_value():
+                with _etcd_errors("joining a round"), self._join_deadline():
+                    if self._last_round < 0 and self._joined < 0:
+                        await self._arrive(local_world_size)
+                    result = await self._rendezvous(local_world_size, started)
         finally:
             self._clock, self.waiting = None, None
         if result is None:
@@ -486,12 +503,10 @@ class EtcdRendezvous:
         """Before this node first joins: has it met another job under the same run id?
         (``supervisor.rendezvous.sameid``) Records the job's shape if nobody did yet."""
         state, key = self._state(), self._keys.ctl + "shape"
-        try:
-            shape = state.json(key)
-        except RendezvousError:
-            shape = None  # unreadable: no verdict from it
+        shape = msgspec.to_builtins(state.shape) if state.shape else None  # bad: ignored
         members = state.members(state.round)
-        verdict = meet(self.run_id, closed=state.closed, shape=shape,
+        closed = msgspec.to_builtins(state.closed) if state.closed else None
+        verdict = meet(self.run_id, closed=closed, shape=shape,
                        running_sizes=[m.local_world_size for m in members] if members else None,
                        min_nodes=self.config.min_nodes, max_nodes=self.config.max_nodes,
                        nproc_per_node=lws)
@@ -548,9 +563,10 @@ class EtcdRendezvous:
         while True:
             seen, state = self._ctl.version, self._state()
             if state.closed is not None and self._last_round < 0:
-                raise RendezvousClosed(f"etcd rendezvous: {ended_line(self.run_id, state.closed)}")
+                ended = ended_line(self.run_id, msgspec.to_builtins(state.closed))
+                raise RendezvousClosed(f"etcd rendezvous: {ended}")
             if state.closed is not None:
-                raise RendezvousClosed(f"job {self.run_id} is closed: {state.closed['reason']}")
+                raise RendezvousClosed(f"job {self.run_id} is closed: {state.closed.reason}")
             done = await self._step(state, lws)
             if isinstance(done, tuple):
                 return self._result(state.round, *done, started)
@@ -643,18 +659,20 @@ class EtcdRendezvous:
         was lost while etcd was reachable (the others saw it leave)."""
         await self._usable()
         assert self._ctl is not None
-        with _etcd_errors("watching membership"):
-            while True:
-                seen = self._ctl.version
-                reason = self._membership_change(self._state(), result)
-                if reason is not None:
-                    logger.info("etcd rendezvous round %d outdated: %s", result.round, reason)
-                    return reason
-                await self._wait(seen)
+        async with self._closing_on_bad_value():
+            with _etcd_errors("watching membership"):
+                while True:
+                    seen = self._ctl.version
+                    reason = self._membership_change(self._state(), result)
+                    if reason is not None:
+                        logger.info("etcd rendezvous round %d outdated: %s", result.round,
+                                    reason)
+                        return reason
+                    await self._wait(seen)
 
     def _membership_change(self, state: State, result: RendezvousResult) -> str | None:
         if state.closed is not None:
-            return f"job closed: {state.closed['reason']}"
+            return f"job closed: {state.closed.reason}"
         if state.round > result.round:
             return state.round_reason or f"round {state.round} was opened by another node"
         if self._evicted:
@@ -703,9 +721,9 @@ class EtcdRendezvous:
     def _barrier_verdict(self, state: State, result: RendezvousResult) -> BarrierResult | None:
         closed = state.closed
         if closed is not None:
-            if closed.get("ok"):
+            if closed.ok:
                 return BarrierResult(True, f"all {len(result.members)} node(s) finished")
-            return BarrierResult(False, f"job failed: {closed['reason']}")
+            return BarrierResult(False, f"job failed: {closed.reason}")
         if state.round > result.round:
             why = state.round_reason
             return BarrierResult(False, f"round {state.round} was opened during the exit "
@@ -730,9 +748,11 @@ class EtcdRendezvous:
         key = self._keys.restarts
         with _etcd_errors("counting a restart"):
             for _ in range(_CAS_ATTEMPTS):
-                kv = self._state().kv(key)
-                count = (json.loads(kv.value)["count"] if kv else 0) + 1
-                value = json.dumps({"count": count, "last": message, "node": self.node_id})
+                state = self._state()
+                kv, restarts = state.kv(key), state.restarts
+                count = (restarts.count if restarts else 0) + 1
+                value = json.dumps({"count": count, "last": bounded(message),
+                                    "node": self.node_id})
                 guard = [compare(key, "MOD", "=", kv.mod_revision if kv else 0)]
                 if await self._write(guard, [put_op(key, value)]):
                     return int(count)
@@ -743,7 +763,8 @@ class EtcdRendezvous:
         latest counts)."""
         with _etcd_errors("reading the restart counter"):
             kv = await self._client.get(self._keys.restarts)
-        return int(json.loads(kv.value)["count"]) if kv else 0
+        restarts = State(self._keys, {kv.key: kv}).restarts if kv else None
+        return restarts.count if restarts else 0
 
     async def fail_job(self, message: str) -> None:
         """Close the job for every node (the first reason recorded wins). Bounded by one

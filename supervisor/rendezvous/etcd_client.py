@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import aiohttp
 import anyio
 
+from supervisor.rendezvous.decode import WireError, gateway_kv, gateway_list
+
 if TYPE_CHECKING:
     from supervisor.rendezvous.etcd_watch import Watch
 
@@ -98,15 +100,13 @@ class KeyValue:
         return self.value.decode()
 
     @classmethod
-    def from_json(cls, data: JsonDict) -> KeyValue:
-        return cls(
-            key=_unb64(data.get("key", "")).decode(),
-            value=_unb64(data.get("value", "")),
-            create_revision=int(data.get("create_revision", 0)),
-            mod_revision=int(data.get("mod_revision", 0)),
-            version=int(data.get("version", 0)),
-            lease=int(data.get("lease", 0)),
-        )
+    def from_json(cls, data: object) -> KeyValue:
+        """One key of the gateway's JSON, checked by ``decode.gateway_kv``; ``EtcdError``
+        if it is not one."""
+        try:
+            return cls(*gateway_kv(data))
+        except WireError as exc:
+            raise EtcdError(f"etcd answered {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -192,8 +192,11 @@ def _b64(text: str | bytes) -> str:
     return base64.b64encode(raw).decode()
 
 
-def _unb64(text: str) -> bytes:
-    return base64.b64decode(text)
+def _objects(items: object) -> list[JsonDict]:
+    try:
+        return gateway_list(items)
+    except WireError as exc:
+        raise EtcdError(f"etcd answered {exc}") from None
 
 
 def prefix_end(prefix: str) -> str:
@@ -452,7 +455,7 @@ class EtcdClient:
                     ) -> RangeResult:
         """The key (or every key under the prefix) and the store revision read."""
         data = await self.call("/v3/kv/range", _key_range(key, prefix), retry_window=retry_window)
-        kvs = tuple(KeyValue.from_json(kv) for kv in data.get("kvs", ()))
+        kvs = tuple(KeyValue.from_json(kv) for kv in _objects(data.get("kvs", ())))
         return RangeResult(kvs, int(data["header"]["revision"]))
 
     async def count(self, key: str, *, prefix: bool = False) -> int:

@@ -9,6 +9,7 @@ import math
 import os
 import secrets
 import socket
+import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -158,6 +159,13 @@ def make_config(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str = "",
     conf = parse_rdzv_conf(rdzv_conf)
     files = {k: str(conf[k]) for k in ("cacert", "cert", "key") if k in conf}
     https = conf.get("protocol") == "https" or bool(files)
+    for one, other in (("cert", "key"), ("key", "cert")):
+        _check(one not in files or other in files,
+               f"--rdzv-conf: {one}= needs {other}= (a client certificate and its key go "
+               f"together)")
+    tls = TlsFiles(**files) if https else None
+    if tls is not None:
+        _load(tls)
     min_nodes, max_nodes = parse_nnodes(nnodes)
     password = None
     if "password_file" in conf:
@@ -171,5 +179,23 @@ def make_config(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str = "",
     return EtcdRendezvousConfig(
         endpoints=parse_endpoints(endpoint, https=https), run_id=run_id,
         min_nodes=min_nodes, max_nodes=max_nodes, local_addr=local_addr or "",
-        tls=TlsFiles(**files) if https else None, password=password, **passed,
+        tls=tls, password=password, **passed,
     )
+
+
+def _load(tls: TlsFiles) -> None:
+    """Read the TLS files now: a missing or unreadable one is a one-line start-up error,
+    not a failure on the first request."""
+    for name in ("cacert", "cert", "key"):
+        path = getattr(tls, name)
+        if path is None:
+            continue
+        try:
+            with open(path, "rb"):
+                pass
+        except OSError as exc:
+            raise RendezvousConfigError(f"--rdzv-conf: {name}={path}: {exc.strerror}") from None
+    try:
+        tls.ssl_context()
+    except ssl.SSLError as exc:
+        raise RendezvousConfigError(f"--rdzv-conf: the TLS files do not load: {exc}") from None

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from supervisor.rendezvous.decode import IGNORED
+
 if TYPE_CHECKING:
     from supervisor.rendezvous.etcd import EtcdRendezvous
 
@@ -42,6 +44,9 @@ class EtcdCollector(Collector):
         yield CounterMetricFamily(PREFIX + "outage_seconds",
                                   "Seconds etcd was unreachable, the current outage included",
                                   value=r.total_outage + r.outage_age(now))
+        yield CounterMetricFamily(PREFIX + "values_ignored",
+                                  "Malformed etcd values ignored (decode.SCHEMAS: IGNORE rows)",
+                                  value=sum(IGNORED.values()))
         stats = self._rdzv.stats
         for key, doc in (("requests", "etcd requests sent, retries included"),
                          ("txn_conflicts", "etcd transactions whose comparisons failed"),

@@ -26,10 +26,28 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from supervisor.rendezvous.base import RendezvousError
+import msgspec
+
+from supervisor.rendezvous.decode import (
+    MAX_TEXT,
+    Closed,
+    Join,
+    Master,
+    Restarts,
+    Result,
+    Round,
+    Shape,
+    bounded,
+    count_ignored,
+    decode,
+    node_part_ok,
+    shown,
+)
 from supervisor.rendezvous.etcd_client import JsonDict, KeyValue, compare, delete_op, put_op
+
+S = TypeVar("S", bound=msgspec.Struct)
 
 ROOT = "/elastic-supervisor"
 
@@ -76,37 +94,39 @@ def result_value(members: list[dict[str, Any]]) -> str:
 
 class State:
     """The job's keys as one agent last saw them (a read-only view of a ``PrefixView``'s
-    ``kvs``: an agent's control view holds only ``ctl/``, the leader's holds every key)."""
+    ``kvs``: an agent's control view holds only ``ctl/``, the leader's holds every key).
+
+    Every value is read through ``decode``: a bad ``ctl/`` value raises ``BadValue`` (a
+    ``RendezvousError`` naming the key), a bad per-node key is skipped and counted."""
 
     def __init__(self, keys: Keys, kvs: Mapping[str, KeyValue]) -> None:
         self.keys = keys
         self._kvs = kvs
         self._index: dict[tuple[int, str], dict[str, KeyValue]] | None = None
-        self._parsed: dict[str, Any] = {}
+        self._decoded: dict[str, object] = {}
 
     def kv(self, key: str) -> KeyValue | None:
         return self._kvs.get(key)
 
-    def json(self, key: str) -> Any:
-        kv = self._kvs.get(key)
-        if kv is None:
-            return None
-        if key not in self._parsed:  # parsed once per state: a result can be large
-            try:
-                self._parsed[key] = json.loads(kv.value)
-            except ValueError as exc:
-                raise RendezvousError(f"etcd rendezvous: {kv.key} holds malformed JSON") from exc
-        return self._parsed[key]
+    def _value(self, kind: str, key: str, expect: type[S]) -> S | None:
+        """The decoded value of ``key`` (None: absent, or ignored); once per state: a
+        result can be large."""
+        if key not in self._decoded:
+            kv = self._kvs.get(key)
+            self._decoded[key] = None if kv is None else decode(kind, key, kv.value, expect)
+        value = self._decoded[key]
+        assert value is None or isinstance(value, expect)
+        return value
 
     @property
     def round(self) -> int:
-        data = self.json(self.keys.round)
-        return int(data["round"]) if data else 0
+        data = self._value("ctl/round", self.keys.round, Round)
+        return data.round if data else 0
 
     @property
     def round_reason(self) -> str:
-        data = self.json(self.keys.round)
-        return str(data.get("reason", "")) if data else ""
+        data = self._value("ctl/round", self.keys.round, Round)
+        return shown(data.reason, MAX_TEXT) if data else ""
 
     @property
     def round_mod(self) -> int:
@@ -114,44 +134,72 @@ class State:
         return kv.mod_revision if kv else 0
 
     @property
-    def closed(self) -> dict[str, Any] | None:
-        data: dict[str, Any] | None = self.json(self.keys.closed)
-        return data
+    def closed(self) -> Closed | None:
+        """The job's end (its reason escaped: it goes into log lines and messages)."""
+        data = self._value("ctl/closed", self.keys.closed, Closed)
+        return msgspec.structs.replace(data, reason=shown(data.reason, MAX_TEXT)) \
+            if data else None
+
+    @property
+    def shape(self) -> Shape | None:
+        """The job's recorded shape (``sameid``); None if absent or unreadable."""
+        return self._value("ctl/shape", self.keys.ctl + "shape", Shape)
+
+    @property
+    def restarts(self) -> Restarts | None:
+        return self._value("ctl/restarts", self.keys.restarts, Restarts)
 
     @property
     def leader(self) -> KeyValue | None:
-        return self.kv(self.keys.leader)
+        return self.kv(self.keys.leader)  # only its lease is read
 
     def members(self, n: int) -> list[Member] | None:
-        data = self.json(self.keys.result(n))
-        if not data:
+        data = self._value("ctl/result", self.keys.result(n), Result)
+        if data is None:
             return None
-        try:
-            nodes, sizes = list(data["nodes"]), data["sizes"]
-            if isinstance(sizes, int):
-                sizes = [sizes] * len(nodes)
-            return [Member(str(node), "", int(size))
-                    for node, size in zip(nodes, sizes, strict=True)]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RendezvousError(f"etcd rendezvous: {self.keys.result(n)} is malformed") \
-                from exc
+        return [Member(node, "", size)
+                for node, size in zip(data.nodes, data.size_list(), strict=True)]
 
     def master(self, n: int) -> tuple[str, int] | None:
-        data = self.json(self.keys.master(n))
-        return (str(data["addr"]), int(data["port"])) if data else None
+        data = self._value("ctl/master", self.keys.master(n), Master)
+        return (data.addr, data.port) if data else None
+
+    def joins(self, n: int) -> dict[str, Join]:
+        """Node id -> its join value in round ``n`` (join keys only: decoded)."""
+        return {node: self._join(kv) for node, kv in self.nodes(n, "join").items()}
+
+    def _join(self, kv: KeyValue) -> Join:
+        value = self._decoded[kv.key]
+        assert isinstance(value, Join)
+        return value
 
     def nodes(self, n: int, kind: str) -> dict[str, KeyValue]:
-        """Node id -> key of ``nodes/n/<kind>/`` (one pass over the keys per state)."""
+        """Node id -> key of ``nodes/n/<kind>/`` (one pass over the keys per state). A key
+        whose node id or (join) value is bad is skipped and counted."""
         if self._index is None:
             self._index = {}
-            base = len(self.keys.nodes)
             for key, kv in self._kvs.items():
-                if not key.startswith(self.keys.nodes):
-                    continue
-                parts = key[base:].split("/", 2)
-                if len(parts) == 3 and parts[0].isdigit():
-                    self._index.setdefault((int(parts[0]), parts[1]), {})[parts[2]] = kv
+                if key.startswith(self.keys.nodes):
+                    self._add_node_key(key, kv)
         return self._index.get((n, kind), {})
+
+    def _add_node_key(self, key: str, kv: KeyValue) -> None:
+        assert self._index is not None
+        parts = key[len(self.keys.nodes):].split("/", 2)
+        if len(parts) != 3 or not (parts[0].isascii() and parts[0].isdigit()):
+            return  # not a key of this protocol
+        if not node_part_ok(parts[2]):
+            count_ignored("nodes/" + parts[1], key, "not a node id", kv.mod_revision)
+            return
+        if parts[1] == "join":
+            join = decode("nodes/join", key, kv.value, Join)
+            if join is None:
+                return
+            if join.node != parts[2]:
+                count_ignored("nodes/join", key, "names another node", kv.mod_revision)
+                return
+            self._decoded[key] = join
+        self._index.setdefault((int(parts[0]), parts[1]), {})[parts[2]] = kv
 
 
 # the leader's decisions
@@ -258,7 +306,8 @@ def round_guard(state: State) -> list[JsonDict]:
 def advance_txn(state: State, reason: str, node: str) -> Txn:
     """Open round n+1 (unless someone did) and forget round n-1."""
     keys, n = state.keys, state.round
-    ops = [put_op(keys.round, json.dumps({"round": n + 1, "reason": reason, "node": node}))]
+    ops = [put_op(keys.round, json.dumps({"round": n + 1, "reason": bounded(reason),
+                                          "node": node}))]
     if n >= 1:
         ops += [delete_op(keys.result(n - 1)), delete_op(keys.master(n - 1)),
                 delete_op(keys.node(n - 1, ""), prefix=True)]
@@ -267,7 +316,7 @@ def advance_txn(state: State, reason: str, node: str) -> Txn:
 
 def close_job_txn(keys: Keys, *, ok: bool, reason: str, node: str) -> Txn:
     """Close the job for everyone, unless it is closed already (the first reason wins)."""
-    value = json.dumps({"ok": ok, "reason": reason, "node": node})
+    value = json.dumps({"ok": ok, "reason": bounded(reason), "node": node})
     return [compare(keys.closed, "VERSION", "=", 0)], [put_op(keys.closed, value)]
 
 
@@ -279,5 +328,11 @@ def close_round_txn(state: State, decision: Close, view_revision: int) -> Txn:
     keys, n = state.keys, decision.n
     guard = [*round_guard(state), compare(keys.result(n), "VERSION", "=", 0),
              compare(keys.node(n, "join"), "MOD", "<", view_revision + 1, prefix=True)]
-    members = [json.loads(kv.value) for kv in decision.chosen]
+    joins = state.joins(n)
+    members = [{"node": joins[node].node, "local_world_size": joins[node].local_world_size}
+               for node in (_node_of(kv.key) for kv in decision.chosen)]
     return guard, [put_op(keys.result(n), result_value(members))]
+
+
+def _node_of(key: str) -> str:
+    return key.rsplit("/", 1)[-1]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import supervisor.lean  # noqa: F401  -- before the first aiohttp import
 
 # isort: split
+import base64
 import json
 import logging
 import socket
@@ -56,8 +57,8 @@ from supervisor.rendezvous.etcd_client import (
     _describe,
     _EndpointDown,
     _key_range,
+    _objects,
     _raise_for_error,
-    _unb64,
 )
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ class Watch:
         self._client = client
         self._on_live = on_live
         self._key_range = key_range
-        self._probe_key = _unb64(key_range["key"]).decode()
+        self._probe_key = base64.b64decode(key_range["key"]).decode()
         self.next_revision = start_revision
         self.check_interval = check_interval or client.timeout
         self.endpoint: str | None = None  # the member the stream is open on
@@ -294,8 +295,8 @@ class Watch:
             self._raise_canceled(result)
         return [
             WatchEvent("DELETE" if ev.get("type") == "DELETE" else "PUT",
-                       KeyValue.from_json(ev["kv"]))
-            for ev in result.get("events", ())
+                       KeyValue.from_json(ev.get("kv")))
+            for ev in _objects(result.get("events", ()))
         ]
 
     def _raise_canceled(self, result: JsonDict) -> None:

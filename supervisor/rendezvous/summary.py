@@ -22,9 +22,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
+import msgspec
 
 from supervisor.core.goodput import Ledger, totals
 from supervisor.core.snapshot import Snapshot
+from supervisor.rendezvous.decode import Summary, decode, printable
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
 
 if TYPE_CHECKING:
@@ -164,16 +166,26 @@ class SummaryPublisher:
 
 async def read_summaries(client: EtcdClient, run_id: str) -> list[dict[str, Any]]:
     """Every node's summary of a job, ordered by node rank then id; bad values skipped."""
+    rows, _ = await read_job(client, run_id)
+    return rows
+
+
+async def read_job(client: EtcdClient, run_id: str) -> tuple[list[dict[str, Any]], int]:
+    """(every valid summary of the job as plain data, ordered by node rank then id; how
+    many keys were skipped as bad). Each row passed ``decode``'s bounded ``Summary``
+    schema: a sibling's list for a dict, an infinite number, a huge integer or a key that
+    is not UTF-8 costs one skipped row, not the view."""
     result = await client.range(summary_prefix(run_id), prefix=True)
-    rows = []
+    rows, skipped = [], 0
     for kv in result.kvs:
-        try:
-            doc = json.loads(kv.value)
-        except ValueError:
+        row = (decode("status", kv.key, kv.value, Summary, report=False)
+               if printable(kv.key) else None)
+        if row is None or "\ufffd" in kv.key:
+            skipped += 1
             continue
-        if isinstance(doc, dict) and "node_id" in doc:
-            rows.append(doc)
-    return sorted(rows, key=lambda d: (_int(d.get("node_rank")), str(d.get("node_id"))))
+        rows.append(msgspec.to_builtins(row))
+    rows.sort(key=lambda d: (_int(d.get("node_rank")), str(d.get("node_id"))))
+    return rows, skipped
 
 
 def _int(value: object) -> int:

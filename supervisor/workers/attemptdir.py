@@ -19,6 +19,8 @@ from pathlib import Path
 
 import msgspec
 
+from supervisor.safepaths import check_private_dir, open_dir_below, open_subdir
+
 logger = logging.getLogger(__name__)
 
 DIR_MODE = 0o755  # filtered by the umask, as torchrun's (the units set UMask=0027)
@@ -36,30 +38,49 @@ class AttemptDir(msgspec.Struct, frozen=True):
         return self.path / str(local_rank)
 
 
-def create_attempt_dir(run_dir: Path, index: int, local_world_size: int) -> AttemptDir:
+def create_attempt_dir(run_dir: Path, index: int, local_world_size: int, *,
+                       root: Path | None = None) -> AttemptDir:
     """Create ``run_dir/attempt_K`` (K >= ``index``, the first free one) and its rank dirs.
 
-    ``run_dir`` itself is created if missing (parents too) and may exist. Raises
-    ``OSError`` when the directories cannot be made (ENOSPC, EDQUOT, EACCES, ...): the
-    caller reports that as a supervisor-side failure, not a worker's. ``FileExistsError``
-    is raised only when ``MAX_SKIPPED`` indexes in a row are taken.
+    ``run_dir`` itself is created if missing and may exist, but must be ours and not
+    writable by others, and is reached from ``root`` (default: its parent, the log
+    directory) without following a symlink (``safepaths``): a run directory swapped for
+    a link while the job runs is refused like one that cannot be made. Raises ``OSError``
+    when the directories cannot be made (ENOSPC, EDQUOT, EACCES, ELOOP, ...): the caller
+    reports that as a supervisor-side failure, not a worker's. ``FileExistsError`` is
+    raised only when ``MAX_SKIPPED`` indexes in a row are taken.
     """
     if index < 0:
         raise ValueError(f"attempt index must be >= 0, got {index}")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    root = run_dir.parent if root is None else root
+    if root == run_dir.parent:
+        root.mkdir(parents=True, exist_ok=True)
+    run_fd = open_dir_below(root, run_dir.relative_to(root), create=True)
+    try:
+        check_private_dir(run_fd, run_dir)
+        return _create_in(run_fd, run_dir, index, local_world_size)
+    finally:
+        os.close(run_fd)
+
+
+def _create_in(run_fd: int, run_dir: Path, index: int, local_world_size: int) -> AttemptDir:
     for k in range(index, index + MAX_SKIPPED + 1):
-        path = run_dir / f"attempt_{k}"
+        name = f"attempt_{k}"
         try:
-            os.mkdir(path, DIR_MODE)
+            os.mkdir(name, DIR_MODE, dir_fd=run_fd)
         except FileExistsError:
             continue
         if k != index:
             logger.warning("%s existed before this attempt; left alone, using %s",
-                           run_dir / f"attempt_{index}", path.name)
-        created = AttemptDir(k, path)
+                           run_dir / f"attempt_{index}", name)
+        created = AttemptDir(k, run_dir / name)
         try:
-            for local_rank in range(local_world_size):
-                os.mkdir(created.rank_dir(local_rank), DIR_MODE)
+            attempt_fd = open_subdir(run_fd, name, created.path)
+            try:
+                for local_rank in range(local_world_size):
+                    os.mkdir(str(local_rank), DIR_MODE, dir_fd=attempt_fd)
+            finally:
+                os.close(attempt_fd)
         except OSError:
             _remove_empty(created, local_world_size)  # a retry may use the same index
             raise

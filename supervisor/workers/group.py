@@ -31,7 +31,15 @@ from supervisor.workers.attemptdir import create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.output import OutputPlan
-from supervisor.workers.spawn import DeathSignal, Worker, WorkerSpec, spawn_worker, wait_exit
+from supervisor.workers.spawn import (
+    SPAWNER,
+    DeathSignal,
+    Spawner,
+    Worker,
+    WorkerSpec,
+    spawn_worker,
+    wait_exit,
+)
 from supervisor.workers.stop import stop_group
 from supervisor.workers.warm.pool import NullPool, Pool
 
@@ -101,8 +109,10 @@ class WorkerGroup:
         exempt_pids: Iterable[int] = (),
         command: CommandFor | None = None,
         cpus: CpusFor | None = None,
+        spawner: Spawner = SPAWNER,
     ) -> None:
         self.settings = settings
+        self.spawner = spawner  # forks every worker (spawn.Spawner says why)
         self.run_id = run_id
         self.events = events
         self.log_root = log_root
@@ -142,7 +152,8 @@ class WorkerGroup:
         )
         run_dir = self.log_root / self.run_id
         try:  # exclusively: a worker cannot plant files for its successor
-            created = create_attempt_dir(run_dir, dir_index, layout.local_world_size)
+            created = create_attempt_dir(run_dir, dir_index, layout.local_world_size,
+                                         root=self.log_root)
         except OSError as exc:
             raise AttemptPrepError(f"cannot prepare {run_dir / f'attempt_{dir_index}'}: "
                                    f"{exc}") from exc
@@ -203,7 +214,7 @@ class WorkerGroup:
                 argv = self.command(local_rank, global_rank, rank_dir)
                 stdout, stderr = self.output.open_rank(
                     attempt.dir_index, rank_dir, local_rank, global_rank,
-                    restart_count=attempt.layout.restart_count,
+                    restart_count=attempt.layout.restart_count, root=self.log_root,
                 )
                 specs.append(WorkerSpec(local_rank, global_rank, argv, env, stdout, stderr,
                                         cpus=self.cpus(local_rank)))
@@ -217,7 +228,8 @@ class WorkerGroup:
         try:
             worker = self.pool.take(spec)
             if worker is None:
-                worker = spawn_worker(spec, self.death, start=self.pool.cold_start(spec.local_rank))
+                worker = self.spawner.call(spawn_worker, spec, self.death,
+                                           start=self.pool.cold_start(spec.local_rank))
                 if self.guardian is not None:
                     self.guardian.watch(worker.pid)
         finally:

@@ -36,6 +36,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
+from supervisor.safepaths import open_below
 from supervisor.workers.logs import (
     ERR,
     OUT,
@@ -106,9 +107,13 @@ class LogFile:
     works again, a marker line says how many bytes are missing at that point.
     """
 
-    def __init__(self, path: Path, loss: OutputLoss | None = None) -> None:
+    def __init__(self, path: Path, loss: OutputLoss | None = None, *,
+                 root: Path | None = None) -> None:
+        """``root``: the log directory ``path`` is below; nothing below it is followed
+        through a symlink, at the first open and at every ``reopen`` (``safepaths``)."""
         self.path = path
-        self.fd = _open_log(path)
+        self.root = root
+        self.fd = _open_log(path, root)
         self.loss = loss if loss is not None else OutputLoss()
         self._lost = 0  # bytes lost since writing last worked
         self._error = ""
@@ -165,7 +170,7 @@ class LogFile:
     def reopen(self) -> None:
         """Continue in a fresh file at the same path; keep the old one if that fails."""
         try:
-            fd = _open_log(self.path)
+            fd = _open_log(self.path, self.root)
         except OSError as exc:
             logger.warning("cannot reopen %s: %s; still writing the old file", self.path, exc)
             return
@@ -193,8 +198,8 @@ class _Unwritten(Exception):
         self.error = error
 
 
-def _open_log(path: Path) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o640)
+def _open_log(path: Path, root: Path | None) -> int:
+    return open_below(root or path.parent, path)
 
 
 class Console:
@@ -529,8 +534,10 @@ class OutputPlan:
         global_rank: int,
         *,
         restart_count: int = 0,
+        root: Path | None = None,
     ) -> tuple[int | None, int | None]:
         """The worker's stdout and stderr fds (None: inherit ours); starts their pumps.
+        ``root``: the log directory (see ``LogFile``).
 
         Raises OSError (e.g. the log file cannot be created) after closing what it opened.
         """
@@ -550,7 +557,7 @@ class OutputPlan:
                         local_rank=local_rank, hostname=self.hostname,
                         restart_count=restart_count,
                     )
-                    fd = self._start_pump(dir_index, rank_dir, name, bit, route, prefix)
+                    fd = self._start_pump(dir_index, rank_dir, name, bit, route, prefix, root)
                     if self.progress_pattern is not None and self.on_progress_line is not None:
                         self._pumps[-1].progress = ProgressScan(self.progress_pattern)
                         self._pumps[-1].on_progress_line = partial(self.on_progress_line,
@@ -569,7 +576,7 @@ class OutputPlan:
 
     def _start_pump(
         self, dir_index: int, rank_dir: Path, name: str, bit: int, route: StreamRoute,
-        prefix: bytes,
+        prefix: bytes, root: Path | None = None,
     ) -> int:
         """Make the pipe, open the log file, start the pump; returns the worker's end."""
         if self._tg is None:
@@ -577,9 +584,9 @@ class OutputPlan:
         console = self._consoles.get(bit) if route.to_console else None
         needles = self.needles[bit] if console is not None else ()
         # files first: if one cannot be opened, no pipe is left behind (and vice versa)
-        log_file = LogFile(rank_dir / f"{name}.log", self.loss)
+        log_file = LogFile(rank_dir / f"{name}.log", self.loss, root=root)
         try:
-            filtered = (self._filtered_file(dir_index, rank_dir.parent, name, bit)
+            filtered = (self._filtered_file(dir_index, rank_dir.parent, name, bit, root)
                         if needles else None)
             read_end, write_end = os.pipe2(os.O_CLOEXEC)
         except OSError:
@@ -597,11 +604,13 @@ class OutputPlan:
         self._tg.start_soon(pump.run, name=f"output {pump.label}")
         return write_end
 
-    def _filtered_file(self, dir_index: int, attempt_dir: Path, name: str, bit: int) -> LogFile:
+    def _filtered_file(self, dir_index: int, attempt_dir: Path, name: str, bit: int,
+                       root: Path | None = None) -> LogFile:
         """torchrun's ``attempt_K/filtered_{stdout,stderr}.log``, shared by the ranks."""
         key = (dir_index, bit)
         if key not in self._filtered:
-            self._filtered[key] = LogFile(attempt_dir / f"filtered_{name}.log", self.loss)
+            self._filtered[key] = LogFile(attempt_dir / f"filtered_{name}.log", self.loss,
+                                          root=root)
         return self._filtered[key]
 
     # -------------------------------------------------------------- rotation, draining

@@ -9,19 +9,23 @@ its pid nor its process group id can be recycled while we may still signal them.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import logging
 import os
+import queue
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import anyio
+import anyio.to_thread
 import msgspec
 
 logger = logging.getLogger(__name__)
@@ -227,6 +231,84 @@ _PDEATHSIG_SHIM = (
     "os.getppid() == int(sys.argv[1]) or os._exit(137)\n"
     "os.execvp(sys.argv[2], sys.argv[2:])\n"
 )
+
+
+T = TypeVar("T")
+_Job = tuple[Callable[[], object], "concurrent.futures.Future[object]"]
+
+
+class Spawner:
+    """One long-lived thread from which every child of the supervisor is spawned.
+
+    The kernel sends a child its parent-death signal (``PR_SET_PDEATHSIG``, which every
+    child of ours asks for) when the *thread* that forked it exits, not the process: a
+    standby spawned from an anyio worker thread was SIGKILLed once anyio retired that idle
+    thread. So children are forked only here, from a thread that lives as long as the
+    supervisor (started with it, stopped at its very end, after every child is reaped).
+    ``spawn`` lets the event loop go on while the spawner forks (standbys, the hosted
+    etcd); ``call`` blocks its caller until the child exists (the launch of a group, which
+    needs its workers at once).
+    """
+
+    def __init__(self, name: str = "spawner") -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def native_id(self) -> int | None:
+        """The spawner thread's kernel id (None: not running), for tests and diagnostics."""
+        thread = self._thread
+        return thread.native_id if thread is not None else None
+
+    def start(self) -> None:
+        """Start the thread (idempotent)."""
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                # daemon: a supervisor that ends abnormally must not hang on it; its children
+                # die with the process then, as their death signal intends
+                self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
+                self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Finish the queued spawns and end the thread. Only once no child of ours lives:
+        their death signal fires when it ends."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            self._queue.put(None)
+            thread.join(timeout)
+
+    def _serve(self) -> None:
+        while (job := self._queue.get()) is not None:
+            fn, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the caller, who re-raises it
+                future.set_exception(exc)
+
+    def _submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        self.start()
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._queue.put((fn, future))  # type: ignore[arg-type]
+        return future
+
+    def call(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        """Run ``fn(*args, **kwargs)`` on the spawner thread; its result (blocking)."""
+        if self._thread is threading.current_thread():
+            return fn(*args, **kwargs)
+        return self._submit(functools.partial(fn, *args, **kwargs)).result()
+
+    async def spawn(self, fn: Callable[..., T], *args: object, **kwargs: object) -> T:
+        """``call`` for async code: the loop goes on while the spawner forks."""
+        future = self._submit(functools.partial(fn, *args, **kwargs))
+        return await anyio.to_thread.run_sync(future.result)
+
+
+SPAWNER = Spawner()  # the supervisor's; app.py starts it first and stops it last
 
 
 def spawn_worker(

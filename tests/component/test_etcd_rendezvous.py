@@ -602,10 +602,13 @@ def test_endpoints_get_scheme_and_default_port() -> None:
 
 
 def test_make_config_reads_password_file_and_enables_tls(tmp_path: Path) -> None:
+    from tests.support.etcd import make_tls_material
+
     secret = tmp_path / "pw"
     secret.write_text("hunter2\n")
+    ca = make_tls_material(tmp_path / "tls").ca  # read at start: it must exist
     cfg = make_config(endpoint="10.0.0.1:2379", run_id="r1", nnodes="2:4",
-                      rdzv_conf=f"user=bob,password_file={secret},cacert=/ca.pem",
+                      rdzv_conf=f"user=bob,password_file={secret},cacert={ca}",
                       local_addr="10.0.0.9")
     assert (cfg.min_nodes, cfg.max_nodes, cfg.user, cfg.password) == (2, 4, "bob", "hunter2")
     assert cfg.endpoints == ("https://10.0.0.1:2379",) and cfg.tls is not None

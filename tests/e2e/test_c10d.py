@@ -283,7 +283,8 @@ def test_unknown_backend_lists_the_valid_ones() -> None:
 
 
 @pytest.mark.parametrize(("conf", "message"), [
-    ("cacert=/x", "cacert is a key of --rdzv-backend etcd, not c10d"),
+    ("cacert=/x", "cacert=/x: No such file or directory"),
+    ("protocol=https", "protocol is a key of --rdzv-backend etcd, not c10d"),
     ("is_host=maybe", "is_host='maybe' is not a boolean"),
     ("read_timeout=0", "read_timeout must be positive"),
     ("close_timeout=x", "close_timeout='x' is not a number"),
@@ -379,19 +380,23 @@ async def test_every_documented_torchrun_command_line_is_accepted(
         await rendezvous.aclose()
 
 
-def test_a_host_name_resolving_to_loopback_is_served_on_every_interface() -> None:
+def test_a_host_name_resolving_to_loopback_is_served_on_this_machines_addresses() -> None:
     import ipaddress
 
-    from supervisor.rendezvous.c10d import listen_ip
+    from supervisor.rendezvous.c10d_access import interface_addresses, listen_plan
 
-    assert listen_ip("localhost") == "127.0.0.1"
-    assert listen_ip("127.0.0.1") == "127.0.0.1"
+    assert listen_plan("localhost", None).ips == ("127.0.0.1",)
+    assert listen_plan("127.0.0.1", None).ips == ("127.0.0.1",)
     name = socket.gethostname()
     try:
-        loopback = ipaddress.ip_address(socket.gethostbyname(name)).is_loopback
+        resolved = socket.gethostbyname(name)
     except OSError:
         pytest.skip("this machine's name does not resolve")
-    assert listen_ip(name) == ("0.0.0.0" if loopback else socket.gethostbyname(name))
+    ips = listen_plan(name, None).ips
+    assert resolved in ips
+    if ipaddress.ip_address(resolved).is_loopback and interface_addresses():
+        assert "0.0.0.0" not in ips  # never every interface when something narrower serves
+        assert set(interface_addresses()) <= set(ips)
 
 
 def test_endpoints_of_this_machine_other_than_loopback_would_host() -> None:

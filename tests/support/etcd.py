@@ -45,8 +45,11 @@ class TlsMaterial:
     client_key: Path
 
 
-def make_tls_material(directory: Path) -> TlsMaterial:
-    """Create the CA and certificates with the ``openssl`` CLI (skip if missing)."""
+def make_tls_material(directory: Path, *, common_names: bool = True) -> TlsMaterial:
+    """Create the CA and certificates with the ``openssl`` CLI (skip if missing).
+
+    ``common_names=False``: the server and client certificates carry no CN (etcd 3.4's JSON
+    gateway refuses a client certificate with a CN once user auth is on)."""
     deps.need_binary("openssl", "apt-get install openssl")
     directory.mkdir(parents=True, exist_ok=True)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
@@ -57,7 +60,8 @@ def make_tls_material(directory: Path) -> TlsMaterial:
         key, csr, crt = (directory / f"{name}.{ext}" for ext in ("key", "csr", "crt"))
         ext_file = directory / f"{name}.ext"
         ext_file.write_text("subjectAltName=IP:127.0.0.1\n")
-        _openssl("req", *ec, "-keyout", key, "-out", csr, "-subj", f"/CN={name}")
+        subject = f"/CN={name}" if common_names else f"/O=elastic-supervisor tests/OU={name}"
+        _openssl("req", *ec, "-keyout", key, "-out", csr, "-subj", subject)
         _openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
                  "-out", crt, "-days", "1", "-extfile", ext_file)
         certs[name] = (crt, key)

@@ -24,7 +24,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from supervisor.workers.guardian import Guardian
-from supervisor.workers.spawn import DeathSignal
+from supervisor.workers.spawn import SPAWNER, DeathSignal
 from supervisor.workers.warm.forkserver import (
     Forked,
     ForkServer,
@@ -132,11 +132,12 @@ class ForkSlot:
         if self.given_up:
             return
         try:
-            # On the loop's own thread (a few ms, once a run): the kernel sends the server
-            # its death signal when the *thread* that forked it exits, and an anyio worker
-            # thread is retired after 10 s idle. (The standbys are the server's forks,
-            # reparented to the process: their death signal is not tied to a thread.)
-            pending = self._start(config)
+            # On the spawner thread, which lives as long as the supervisor: the kernel sends
+            # the server its death signal when the *thread* that forked it exits, and an
+            # anyio worker thread is retired after 10 s idle (spawn.Spawner). (The standbys
+            # are the server's forks, reparented to the process: their death signal is not
+            # tied to a thread.)
+            pending = await SPAWNER.spawn(self._start, config)
         except OSError as exc:
             self._failed_for = config
             self._failed("start", f"cannot start the fork server: {exc}")

@@ -29,7 +29,7 @@ from supervisor.config import Settings
 from supervisor.core.envs import PER_RANK_ENV, fork_mismatch, fork_server_env, interpreter
 from supervisor.core.snapshot import ProgressTable
 from supervisor.workers.guardian import Guardian
-from supervisor.workers.spawn import DeathSignal, Start, Worker, WorkerSpec
+from supervisor.workers.spawn import SPAWNER, DeathSignal, Spawner, Start, Worker, WorkerSpec
 from supervisor.workers.warm import autopreload
 from supervisor.workers.warm.forkserver import ForkServerConfig, cold_path0
 from supervisor.workers.warm.forkslot import ForkSlot
@@ -182,8 +182,10 @@ class WarmPool:
         membership_can_change: bool,
         guardian: Guardian | None = None,
         forks: ForkSlot | None = None,
+        spawner: Spawner = SPAWNER,
     ) -> None:
         self.settings = settings
+        self.spawner = spawner  # forks every started standby (spawn.Spawner says why)
         # the node's fork server (--preload under the daemon): standbys are forked from it
         self.forks = forks
         self.sampler = MemorySampler(self.memory_targets) if forks is not None else None
@@ -451,7 +453,7 @@ class WarmPool:
         """Start the planned standbys one at a time: each once the one before it has
         reported (started, and done preloading) or ``STAGGER`` s after it started.
 
-        Each spawn runs in a worker thread (the loop stays responsive). One at a time
+        Each spawn runs on the spawner thread (the loop stays responsive). One at a time
         because a new process, or thread, is not yet behind the workers in the kernel's
         queue (EEVDF places it as eligible, however low its priority): eight started at
         once on two CPUs took the CPU from our loop for tens of milliseconds per restart
@@ -465,7 +467,7 @@ class WarmPool:
                 for want in plan.wanted:
                     if plan.halted:
                         break
-                    standby = await anyio.to_thread.run_sync(self._spawn, want)
+                    standby = await self.spawner.spawn(self._spawn, want)
                     if standby is None:
                         break
                     self.standbys[standby.local_rank] = standby
