@@ -34,6 +34,7 @@ import msgspec
 from anyio.abc import TaskStatus
 
 from supervisor.core.nodehealth import Limits
+from supervisor.core.partition import standing_since
 from supervisor.rendezvous.base import (
     BarrierResult,
     Capabilities,
@@ -50,10 +51,8 @@ from supervisor.rendezvous.etcd_client import (
     EtcdLeaseNotFound,
     EtcdUnavailable,
     JsonDict,
-    PrefixView,
     Reachability,
     compare,
-    open_prefix_view,
     put_op,
 )
 from supervisor.rendezvous.etcd_config import (
@@ -64,6 +63,7 @@ from supervisor.rendezvous.etcd_config import (
     parse_nnodes,
     parse_rdzv_conf,
 )
+from supervisor.rendezvous.etcd_cutoff import CutoffCheck
 from supervisor.rendezvous.etcd_health import EtcdNodeLedger
 from supervisor.rendezvous.etcd_leader import Leader
 from supervisor.rendezvous.etcd_lease import LeaseKeeper, PausableDeadline
@@ -77,6 +77,7 @@ from supervisor.rendezvous.etcd_state import (
     close_job_txn,
     round_guard,
 )
+from supervisor.rendezvous.etcd_watch import PrefixView, open_prefix_view
 from supervisor.rendezvous.sameid import ended_line, meet, shape_value
 from supervisor.rendezvous.waitreport import WaitClock, WaitProgress, unresolved
 
@@ -88,6 +89,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _CAS_ATTEMPTS = 50
+PEER_LEARNING_BOUND = 1.0  # seconds a completed round may spend reading its peers' URLs
 _Done = tuple[list[Member], tuple[str, int]]  # a finished round: members, (addr, port)
 EventHook = Callable[..., object]  # EventLog.emit(kind, **fields)
 
@@ -128,6 +130,12 @@ class EtcdRendezvous:
         self._lease = LeaseKeeper(self._client, config.lease_ttl, self._lease_replaced)
         self._leader = Leader(self._client, self._keys, self._policy, self._lease,
                               config.node_id)
+        self._cutoff = CutoffCheck(self._client, config.run_id, config.node_id,
+                                   ttl=config.lease_ttl,
+                                   last_refresh_sent=self._standing_since,
+                                   on_cut_off=self._cut_off)
+        self._cut_off_reason: str | None = None  # this node is the one cut off from etcd
+        self._evicted_reason = ""
         self._ctl: PrefixView | None = None
         self._ready = anyio.Event()
         self._running = False
@@ -164,9 +172,16 @@ class EtcdRendezvous:
         return self._client.reachability
 
     def outage_status(self) -> dict[str, Any]:
-        """For ``/status``: whether etcd answers, and the outages so far."""
+        """For ``/status``: whether etcd answers (to requests and to this node's watch:
+        never "reachable" while the watch is dead), and the outages so far."""
         r = self._client.reachability
-        return {"reachable": r.unreachable_since is None,
+        watch_live = self._ctl is not None and self._ctl.watch_live
+        return {"reachable": r.unreachable_since is None and watch_live,
+                "requests_answered": r.unreachable_since is None,
+                "watch": {"live": watch_live,
+                          "endpoint": self._ctl.watch_endpoint if self._ctl else None,
+                          "resyncs": self._ctl.resyncs if self._ctl else 0},
+                "cut_off": self._cut_off_reason,
                 "unreachable_for": round(r.outage_age(time.monotonic()), 3),
                 "outages": r.outages, "last_outage": round(r.last_outage, 3),
                 "total_outage": round(r.total_outage, 3), "cause": r.cause or None,
@@ -233,12 +248,14 @@ class EtcdRendezvous:
             with _etcd_errors("reading the job's control keys"):
                 # bounded like connect(): the supervisor is still starting
                 async with open_prefix_view(self._client, self._keys.ctl,
-                                            retry_window=self.config.lease_ttl) as view:
+                                            retry_window=self.config.lease_ttl,
+                                            on_live=self._watch_live) as view:
                     self._ctl = view
                     self._running = True
                     self._ready.set()
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._campaign)
+                        tg.start_soon(self._cutoff.run)
                         task_status.started()
                         await self._lease.keep_alive()
                         await self._closed.wait()
@@ -296,6 +313,7 @@ class EtcdRendezvous:
             return  # start-up: connect() reports an unusable endpoint in one line itself
         if reachable:
             logger.warning("etcd reachable again after %.1fs", r.last_outage)
+            self._cutoff.outage_ended()
             for deadline in self._deadlines:
                 if not self._spare:  # a spare's join_timeout stays paused
                     deadline.resume()
@@ -306,7 +324,26 @@ class EtcdRendezvous:
                        "for as long as it takes" if limit is None else f"for up to {limit:g}s")
         for deadline in self._deadlines:
             deadline.pause()
+        self._cutoff.outage_began()
         self._emit("etcd_unreachable", cause=r.cause, outage_limit=limit)
+
+    def _standing_since(self) -> float:
+        return standing_since(self._lease.last_refresh_sent,
+                              self._client.reachability.recovered_at)
+
+    def _watch_live(self, live: bool) -> None:
+        """The control watch opened or died: /status changes (publish it)."""
+        if self._lease.id and not self._closed.is_set():
+            self._emit("etcd_watch", live=live,
+                       endpoint=self._ctl.watch_endpoint if self._ctl else None)
+
+    def _cut_off(self, reason: str) -> None:
+        """The cut-off rule says this node is out of the job (``core.partition``): its
+        round is over; its workers stop and it joins the next round when etcd answers."""
+        self._cut_off_reason = reason
+        logger.warning("etcd rendezvous: %s", reason)
+        self._emit("etcd_cut_off", reason=reason)
+        self._notify_ctl()
 
     @contextmanager
     def _join_deadline(self) -> Iterator[anyio.CancelScope]:
@@ -327,10 +364,13 @@ class EtcdRendezvous:
         self._emit("etcd_lease_replaced", lease=f"{self._lease.id:x}", across_outage=across_outage)
         if not across_outage:
             self._evicted = True
+            self._evicted_reason = "its lease expired while etcd was reachable"
             self._held.clear()
             self._joined = self._waiting = -1
             self._notify_ctl()
             return
+        running = self._keys.node(self._last_round, "join", self.node_id)
+        lost_running = False
         for key, (value, guard) in list(self._held.items()):
             try:
                 result = await self._client.txn(guard, [put_op(key, value, lease=self._lease.id)])
@@ -338,9 +378,24 @@ class EtcdRendezvous:
                 logger.warning("cannot restore %s after the outage: %s", key, exc)
                 result = None
             if result is None or not result.succeeded:
-                self._held.pop(key, None)  # the job moved on meanwhile: the watch shows how
+                self._held.pop(key, None)  # the job moved on meanwhile
+                lost_running = lost_running or key == running
         logger.info("restored %d etcd key(s) under the new lease %x", len(self._held),
                     self._lease.id)
+        if lost_running:  # not a member any more: act now, not when a stream says so
+            if self._ctl is not None:
+                try:  # so that a round opened meanwhile is the reason given, if it was
+                    with anyio.move_on_after(self._client.timeout):
+                        await self._ctl.refresh()
+                except EtcdError as exc:
+                    logger.debug("cannot re-read the control keys: %s", exc)
+            self._evicted = True
+            self._evicted_reason = (f"its join key of round {self._last_round} could not be "
+                                    "restored after the etcd outage: the job went on without it")
+            self._joined = -1
+            logger.warning("etcd rendezvous: this node is no longer a member: %s",
+                           self._evicted_reason)
+            self._notify_ctl()
 
     def _notify_ctl(self) -> None:
         if self._ctl is not None:
@@ -425,7 +480,8 @@ class EtcdRendezvous:
         """Join the next round and wait until it completes: at most ``join_timeout`` while
         etcd answers, plus any outage (bounded by ``outage_limit``)."""
         await self._usable()
-        self._evicted = False
+        self._evicted, self._cut_off_reason = False, None
+        self._cutoff.round_ended()
         started = time.monotonic()
         result: RendezvousResult | None = None
         self._clock = WaitClock(started, time.time(), self.config.wait_report_every)
@@ -442,6 +498,8 @@ class EtcdRendezvous:
         if result is None:
             raise RendezvousError(f"etcd rendezvous {self.run_id} timed out after "
                                   f"{self.config.join_timeout:g}s: {await self._describe()}")
+        with anyio.move_on_after(PEER_LEARNING_BOUND):  # a few reads; never delays a round long
+            await self._cutoff.learn_peers()
         logger.info("etcd rendezvous round %d complete in %.3fs: group rank %d of %d, "
                     "master %s:%d", result.round, result.duration, result.group_rank,
                     result.group_world_size, result.master_addr, result.master_port)
@@ -619,6 +677,7 @@ class EtcdRendezvous:
         sizes = [m.local_world_size for m in members]
         self._last_round = n
         spare, self._was_spare = self._was_spare, False
+        self._cutoff.round_started(n, ids)
         return RendezvousResult(
             round=n, group_rank=rank, group_world_size=len(members),
             rank_offset=sum(sizes[:rank]), world_size=sum(sizes),
@@ -651,7 +710,11 @@ class EtcdRendezvous:
         if state.round > result.round:
             return state.round_reason or f"round {state.round} was opened by another node"
         if self._evicted:
-            raise RendezvousError(f"this node's etcd lease was lost (now {self._lease.id:x})")
+            why = self._evicted_reason or "the others saw it leave"
+            raise RendezvousError(f"this node's etcd lease was lost (now {self._lease.id:x}): "
+                                  f"{why}")
+        if self._cut_off_reason is not None:
+            return f"cut off from etcd: {self._cut_off_reason}"
         return None
 
     async def exit_barrier(self, result: RendezvousResult, timeout: float) -> BarrierResult:

@@ -44,9 +44,9 @@ from supervisor.rendezvous.etcd_client import (
     EtcdError,
     KeyValue,
     compare,
-    open_prefix_view,
     put_op,
 )
+from supervisor.rendezvous.etcd_watch import open_prefix_view
 
 logger = logging.getLogger(__name__)
 
