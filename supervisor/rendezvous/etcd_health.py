@@ -21,8 +21,9 @@ name, so a supervisor restarted on the same host finds its record. Clearing a no
 record lets it back in: ``elastic-supervisor node clear --rdzv-endpoint ... --rdzv-id JOB
 NODE`` (or ``etcdctl del /elastic-supervisor/JOB/health/NODE``).
 
-Every value read here goes through one small decoder per key (``decode_cause``,
-``decode_record``): a malformed value is logged and treated as absent, never a crash.
+Every value read here goes through the job's one decoder (``rendezvous/decode.py``, rows
+``ctl/cause`` and ``health``): a malformed value is counted, logged once and treated as
+absent, never a crash.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import anyio
 import msgspec
 
 from supervisor.core import nodehealth as nh
+from supervisor.rendezvous import decode
 from supervisor.rendezvous.base import RendezvousError
 from supervisor.rendezvous.etcd_client import (
     EtcdClient,
@@ -53,7 +55,6 @@ logger = logging.getLogger(__name__)
 _CAS_ATTEMPTS = 20
 _Update = Callable[[nh.NodeRecord, list[nh.NodeRecord], float],
                    tuple[nh.NodeRecord, nh.Judgement]]
-_MAX_VALUE = 64 * 1024  # a record is a few KB at most: anything larger is not ours
 
 
 def cause_key(prefix: str, n: int) -> str:
@@ -65,26 +66,14 @@ def health_prefix(prefix: str) -> str:
     return f"{prefix}health/"
 
 
-def decode_cause(value: bytes) -> nh.RoundCause | None:
-    """A ``ctl/cause/N`` value, or None if it is not one."""
-    if len(value) > _MAX_VALUE:
-        return None
-    try:
-        return msgspec.json.decode(value, type=nh.RoundCause)
-    except msgspec.DecodeError:
-        logger.warning("ignoring a malformed round cause in etcd (%d bytes)", len(value))
-        return None
+def decode_cause(key: str, value: bytes) -> nh.RoundCause | None:
+    """A ``ctl/cause/N`` value, or None if it is not one (counted by the decoder)."""
+    return decode.decode("ctl/cause", key, value, nh.RoundCause)
 
 
-def decode_record(value: bytes) -> nh.NodeRecord | None:
-    """A ``health/<node>`` value, or None if it is not one."""
-    if len(value) > _MAX_VALUE:
-        return None
-    try:
-        return msgspec.json.decode(value, type=nh.NodeRecord)
-    except msgspec.DecodeError:
-        logger.warning("ignoring a malformed node health record in etcd (%d bytes)", len(value))
-        return None
+def decode_record(key: str, value: bytes) -> nh.NodeRecord | None:
+    """A ``health/<node>`` value, or None if it is not one (counted by the decoder)."""
+    return decode.decode("health", key, value, nh.NodeRecord)
 
 
 def records_of(kvs: Mapping[str, KeyValue] | list[KeyValue], prefix: str) -> list[nh.NodeRecord]:
@@ -94,7 +83,7 @@ def records_of(kvs: Mapping[str, KeyValue] | list[KeyValue], prefix: str) -> lis
     found = []
     for kv in items:
         if kv.key.startswith(base):
-            record = decode_record(kv.value)
+            record = decode_record(kv.key, kv.value)
             if record is not None and record.node == kv.key[len(base):]:
                 found.append(record)
     return found
@@ -158,7 +147,7 @@ class EtcdNodeLedger:
                 kv = await self.client.get(key)
                 if kv is None:
                     continue  # the round's keys were just deleted: try again
-                winner = decode_cause(kv.value)
+                winner = decode_cause(kv.key, kv.value)
                 return winner if winner is not None else cause
             return cause
 
@@ -212,7 +201,7 @@ class EtcdNodeLedger:
         """This node's quarantine, if its record holds one."""
         async with _errors("reading the node record"):
             kv = await self.client.get(self._key)
-            record = decode_record(kv.value) if kv is not None else None
+            record = decode_record(kv.key, kv.value) if kv is not None else None
             return record.quarantined if record is not None else None
 
     async def wait_cleared(self) -> None:
@@ -222,7 +211,7 @@ class EtcdNodeLedger:
             while True:
                 seen = view.version
                 kv = view.kvs.get(self._key)
-                record = decode_record(kv.value) if kv is not None else None
+                record = decode_record(kv.key, kv.value) if kv is not None else None
                 if record is None or record.quarantined is None:
                     return
                 await view.wait_changed(seen)
