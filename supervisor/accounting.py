@@ -107,6 +107,12 @@ class GoodputRecorder:
             acc.stopped(event.at)
         if old.phase is sm.Phase.RUNNING and new.phase is sm.Phase.STOPPING:
             closed += self._stopping(new, event, now)
+        elif isinstance(event, sm.RemoteFailure | sm.NodeQuarantined) and (
+            new.phase is sm.Phase.STOPPING
+        ):  # learned while stopping: what the failure really was
+            cause = "remote_failure" if isinstance(event, sm.RemoteFailure) else (
+                "node_quarantined")
+            acc.relabel(cause, event.message[:MAX_MESSAGE])
         elif old.phase is sm.Phase.RUNNING and new.phase is sm.Phase.EXIT_BARRIER:
             closed += acc.paused(now, settle=True)
         if new.phase.final:
@@ -215,6 +221,8 @@ def _cause(failure: sm.Failure) -> str:
             return "dstate"
         case sm.FailureKind.REMOTE:
             return "remote_failure"
+        case sm.FailureKind.NODE_CHECK:
+            return "node_check"
     return "other"
 
 

@@ -46,6 +46,7 @@ from supervisor.core.envs import default_omp_threads, interpreter
 from supervisor.core.snapshot import ProgressTable
 from supervisor.discovery import announce, local_url
 from supervisor.events import EventLog
+from supervisor.healing import make_healing
 from supervisor.health.looplag import LoopLag
 from supervisor.logsetup import configure_logging
 from supervisor.preflight import (
@@ -53,6 +54,7 @@ from supervisor.preflight import (
     check_event_log,
     check_hang_dump,
     check_master_addr,
+    check_node_check,
     check_run_dir,
     check_runnable,
     check_timer_file,
@@ -142,6 +144,7 @@ async def supervise(
     """
     if command is None:
         check_runnable(settings, environ)
+    check_node_check(settings, environ)
     check_devices(settings, environ)
     check_master_addr(settings)
     hang_dump = check_hang_dump(settings, environ)
@@ -208,15 +211,18 @@ async def supervise(
     death = DeathSignal()
     pool = make_pool(settings, rendezvous, environ, death, progress, guardian,
                      fork_server=not embedded)
+    base_env = worker_base_env(environ, settings.local_world_size, cookie)
     group = WorkerGroup(
         settings, run_id=run_id, events=events, log_root=log_root, output=output,
-        environ=worker_base_env(environ, settings.local_world_size, cookie),
+        environ=base_env,
         timer_file=str(timer_file) if timer_file else None, post=send.send_nowait,
         death=death, pool=pool, guardian=guardian,
         exempt_pids=[guardian.pid, *rendezvous.extra_pids()],
         sweep_adopted=not embedded, command=command, cpus=cpus,
     )
     policy = restart_policy(settings)
+    healing = make_healing(settings, rendezvous, events, base_env, run_id, log_root,
+                           changed=lambda: view.publish())
     goodput = GoodputRecorder(
         events, progress, started=time.monotonic(), bound=settings.progress_timeout,
         republish=lambda: view.publish(), shown=group.shown_attempt,
@@ -227,13 +233,14 @@ async def supervise(
         health_port=sock.getsockname()[1] if sock is not None else None, goodput=goodput,
         service_status=etcd.outage_status if etcd is not None else None,
         members_checked=rendezvous.capabilities.coordinates_nodes or settings.max_nodes == 1,
+        node_health=healing,
     )
     hub = view.hub
     observers: list[Observer] = [_StopNotice(reporter), goodput]
     controller = Controller(
         settings, rendezvous, group=group, view=view, policy=policy, events=events,
         output=output, progress=progress, observers=observers,
-        stop_guard=lambda: extending_timeout(notifier),
+        stop_guard=lambda: extending_timeout(notifier), healing=healing,
     )
     for level, note in advisories(settings):  # after the checks: a failed start is one line
         logger.log(level, "%s", note)
@@ -275,6 +282,8 @@ async def supervise(
             result = await controller.run(receive, send)
             reporter.publish(hub.current)
             await _close_rendezvous(rendezvous, controller.state)
+            if controller.state.phase is sm.Phase.QUARANTINED:  # a c10d host serves on
+                await rendezvous.serve_until_job_ends()
             tg.cancel_scope.cancel()
     finally:
         if sock is not None:
@@ -384,8 +393,8 @@ async def _close_rendezvous(rendezvous: Rendezvous, state: sm.State) -> None:
     """A node that was asked to stop leaves alone; a job that failed here fails for all."""
     with anyio.CancelScope(shield=True), anyio.move_on_after(10):
         try:
-            if state.phase is sm.Phase.STOPPED:
-                await rendezvous.leave()
+            if state.phase in (sm.Phase.STOPPED, sm.Phase.QUARANTINED):
+                await rendezvous.leave()  # lease revoked: the others re-form at once
             elif state.phase is sm.Phase.FAILED and state.root_cause is not None and (
                 state.root_cause.kind not in (sm.FailureKind.REMOTE, sm.FailureKind.RENDEZVOUS)
             ):
@@ -430,6 +439,10 @@ async def serve_when_launched(
         from supervisor.rendezvous.etcd_metrics import EtcdCollector
 
         metrics.registry.register(EtcdCollector(etcd))
+    if controller.healing is not None:
+        from supervisor.health.healing_metrics import HealingCollector
+
+        metrics.registry.register(HealingCollector(controller.healing))
     metrics.watch_loop(lag)
     metrics.watch_event_log(controller.events)
     metrics.watch_output(controller.output.loss)

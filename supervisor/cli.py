@@ -105,6 +105,18 @@ def _run_parser() -> argparse.ArgumentParser:
                "progressed, or after this (5 s)")
     _flag(p, "no-fork-server", action="store_const", const=True,
           help="with --preload: each standby imports for itself (no fork server)")
+    _flag(p, "max-node-failures", type=int,
+          help="a node that is the root cause of K failures in the window quarantines "
+          "itself: exit 200 (default 0: off)")
+    _flag(p, "node-failure-window", type=float, help="seconds failures count (3600)")
+    _flag(p, "max-quarantined", type=int, help="nodes quarantined at most, job-wide (1)")
+    _flag(p, "node-check", help="command (no shell) that exits 0 on a healthy node; run "
+          "before joining, after a local failure, every --node-check-interval")
+    _flag(p, "node-check-timeout", type=float, help="node check time limit (60 s)")
+    _flag(p, "node-check-interval", type=float,
+          help="node check period while workers run (default 0: none)")
+    _flag(p, "node-check-retry", type=float,
+          help="a node failing its check before joining re-checks after this (30 s)")
     _flag(p, "restart-backoff", help="BASE:MAX seconds of exponential backoff (default 0:0)")
     _flag(p, "restart-budget-window", type=float, help="healthy seconds that refill the budget")
     _flag(p, "no-restart-exit-codes", type=_int_csv, help="exit codes that end the job at once")
@@ -176,6 +188,7 @@ COMMANDS = {
            "(also what flags without a command mean)",
     "check-config": "validate a TOML config file and print the resolved settings",
     "status": "show a running supervisor's state, read from its health endpoint",
+    "node": "list or clear a job's node health records (quarantined nodes) in etcd",
 }
 
 
@@ -236,6 +249,10 @@ def _main(args: list[str]) -> int:
             from supervisor.statuscmd import main_status
 
             return main_status(rest)
+        if ns.command == "node":
+            from supervisor.nodecmd import main_node
+
+            return main_node(rest)
         if not rest and "PET_TRAINING_SCRIPT" not in os.environ:
             _run_parser().print_usage(sys.stderr)
             sys.stderr.write("elastic-supervisor run: error: give a script or command to run "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shlex
 import signal
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from supervisor.core.nodehealth import Limits, check_limits, start_warnings
 from supervisor.errors import ConfigError as ConfigError
 from supervisor.rendezvous.registry import BACKENDS
 
@@ -87,6 +89,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     preload: list[str] = msgspec.field(default_factory=list)  # modules standbys import
     preload_after: float = 5.0  # standbys preload once every rank progressed, or after this
     no_fork_server: bool = False  # --preload: standbys import for themselves, not forked
+    # healing (core.nodehealth): a bad node takes itself out, a spare takes its place
+    max_node_failures: int = 0  # root-cause failures in the window that quarantine (0: off)
+    node_failure_window: float = 3600.0
+    max_quarantined: int = 1  # job-wide cap: a bug can never quarantine every node
+    node_check: str | None = None  # a command line (no shell); 0 = healthy
+    node_check_timeout: float = 60.0
+    node_check_interval: float = 0.0  # while the workers run (0: never)
+    node_check_retry: float = 30.0  # a node failing its check before joining re-checks
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -279,6 +289,14 @@ def validate(s: Settings) -> None:
         ok = all(part.isidentifier() for part in module.split("."))
         checks.append((ok, f"preload: {module!r} is not a module name (e.g. torch,torch._dynamo)"))
     checks.append((s.preload_after >= 0, "preload_after: must be >= 0 seconds"))
+    checks += [(False, problem) for problem in check_limits(healing_limits(s))]
+    checks += [
+        (s.node_check_timeout > 0, "node_check_timeout: must be > 0 seconds"),
+        (s.node_check_interval >= 0, "node_check_interval: must be >= 0 seconds (0: never)"),
+        (s.node_check_retry > 0, "node_check_retry: must be > 0 seconds"),
+        (s.node_check is None or _splits(s.node_check),
+         f"node_check: expected a command line, got {s.node_check!r}"),
+    ]
     if s.progress_pattern:
         try:
             re.compile(s.progress_pattern)
@@ -291,10 +309,32 @@ def validate(s: Settings) -> None:
             raise ConfigError(message)
 
 
+def healing_limits(s: Settings) -> Limits:
+    return Limits(s.max_node_failures, s.node_failure_window, s.max_quarantined)
+
+
+def healing_enabled(s: Settings) -> bool:
+    """Node checks (and the built-in disk check) run only when healing is asked for."""
+    return s.max_node_failures > 0 or s.node_check is not None
+
+
+def node_check_argv(s: Settings) -> list[str]:
+    """The node check's argv (split like a shell would, but never run by one)."""
+    return shlex.split(s.node_check) if s.node_check else []
+
+
+def _splits(text: str) -> bool:
+    try:
+        return bool(shlex.split(text))
+    except ValueError:
+        return False
+
+
 def advisories(s: Settings) -> list[tuple[int, str]]:
     """(logging level, line) for valid settings that have no effect with the chosen
     backend (WARNING), or an effect a user may not expect (INFO); each names the setting."""
-    notes: list[tuple[int, str]] = []
+    notes: list[tuple[int, str]] = [
+        (logging.WARNING, line) for line in start_warnings(healing_limits(s), s.max_restarts)]
     backend = BACKENDS.get(s.rdzv_backend)
     if backend is not None and not backend.coordinates_nodes:
         if s.rdzv_endpoint:

@@ -15,7 +15,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager, nullcontext
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 import msgspec
@@ -27,7 +27,12 @@ from supervisor.core import state as sm
 from supervisor.core.policy import RestartPolicy
 from supervisor.core.snapshot import ProgressTable
 from supervisor.events import EventLog
-from supervisor.rendezvous.base import Rendezvous, RendezvousError, RendezvousResult
+from supervisor.rendezvous.base import (
+    Rendezvous,
+    RendezvousClosed,
+    RendezvousError,
+    RendezvousResult,
+)
 from supervisor.rendezvous.watch import MembershipWatch
 from supervisor.views import ReadModel, RunResult, SnapshotHub, signame
 from supervisor.workers.group import (
@@ -43,6 +48,9 @@ from supervisor.workers.spawn import signal_workers
 
 __all__ = ["Attempt", "CommandFor", "Controller", "CpusFor", "ForwardSignal", "Observer",
            "ReopenLogs", "SnapshotHub", "settings_command"]
+
+if TYPE_CHECKING:
+    from supervisor.healing import Healing
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +120,7 @@ class Controller:
         progress: ProgressTable,
         observers: Sequence[Observer] = (),
         stop_guard: StopGuard | None = None,
+        healing: Healing | None = None,
     ) -> None:
         self.settings = settings
         self.rendezvous = rendezvous
@@ -124,6 +133,7 @@ class Controller:
         # the read model first: its event-log lines precede those of other observers
         self.observers: list[Observer] = [view, *observers]
         self.stop_guard = stop_guard
+        self.healing = healing  # node checks, root causes, quarantine (supervisor.healing)
         self.started = time.monotonic()
         # transitions so far, for an observer that attaches late (the metrics, created
         # after the first launch so their imports do not delay it); None once replayed
@@ -256,12 +266,22 @@ class Controller:
         self._tg.start_soon(body)
 
     async def _rendezvous_round(self) -> None:
+        if self.healing is not None:  # a held or failing node does not join
+            quarantined = await self.healing.admit()
+            if quarantined is not None:
+                self._post(quarantined)
+                return
         started = time.monotonic()
         try:
             result = await self.rendezvous.next_round(self.settings.local_world_size)
+        except RendezvousClosed as exc:
+            self._post(sm.RendezvousFailed(str(exc), time.monotonic(), exc.succeeded))
+            return
         except RendezvousError as exc:
             self._post(sm.RendezvousFailed(str(exc), time.monotonic()))
             return
+        if result.spare and self.healing is not None:
+            self.healing.spare_admitted(result.round)
         self.round = msgspec.structs.replace(result, duration=time.monotonic() - started)
         self.view.on_round(self.round)
         job_restarts = await self._job_restarts()
@@ -331,7 +351,7 @@ class Controller:
             self._post(sm.LaunchFailed(decision.attempt, str(exc), time.monotonic()))
             return
         self.events.attempt = group.shown_attempt(decision.attempt)  # a taken K was skipped
-        self._tg.start_soon(group.supervise, attempt, self.membership.watch)
+        self._tg.start_soon(group.supervise, attempt, self.membership.watch, self._watch_node)
         layout = attempt.layout
         self.events.emit(
             "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
@@ -352,6 +372,11 @@ class Controller:
         for local_rank, message in failed_to_start:
             self._post(sm.WorkerFailedToStart(decision.attempt, local_rank, message, now))
         self._launched_once.set()
+
+    async def _watch_node(self, attempt: Attempt) -> None:
+        """The node check every interval while this attempt runs."""
+        if self.healing is not None:
+            self._post(await self.healing.watch())
 
     def _stop(self, decision: sm.StopGroup) -> None:
         if decision.reason in (sm.StopReason.SHUTDOWN, sm.StopReason.FATAL):
@@ -376,9 +401,32 @@ class Controller:
             else nullcontext()
         )
         async with guard:
-            await self._stop_workers(attempt, decision)
+            resolved = await self._stop_and_resolve(attempt, decision)
+        if resolved is not None:  # before GroupStopped: it decides where the stop leads
+            self._apply(resolved)
         self.events.emit("group_stopped", seconds=round(time.monotonic() - started, 6))
         self._post(sm.GroupStopped(time.monotonic(), self._rng.random()))
+
+    async def _stop_and_resolve(self, attempt: Attempt | None, decision: sm.StopGroup
+                                ) -> sm.Event | None:
+        """Stop the workers; meanwhile, for a failure, ask whether it was another node's
+        (a remote consequence) or the K-th of this node's (quarantine)."""
+        root = self.state.root_cause
+        if self.healing is None or root is None or decision.reason is not sm.StopReason.FAILURE:
+            await self._stop_workers(attempt, decision)
+            return None
+        healing, found = self.healing, list[sm.Event | None]()
+        number = self.round.round if self.round else 0
+        rank = None if root.local_rank is None or attempt is None else (
+            attempt.layout.rank_offset + root.local_rank)
+
+        async def resolve() -> None:
+            found.append(await healing.resolve(root, number, rank))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(resolve)
+            await self._stop_workers(attempt, decision)
+        return found[0] if found else None
 
     async def _stop_workers(self, attempt: Attempt | None, decision: sm.StopGroup) -> None:
         await self.group.stop(attempt, decision.signum)

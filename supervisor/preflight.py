@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, Settings
+from supervisor.config import DEFAULT_HEALTH_PORT, ConfigError, Settings, node_check_argv
 from supervisor.rendezvous.registry import BACKENDS
 from supervisor.safepaths import open_below, prepare_run_dir
 from supervisor.watchdog.escalate import HangDump, resolve_hang_dump
@@ -33,6 +33,13 @@ def check_timer_file(path: Path) -> None:
         check_fifo_path(path)
     except FifoError as exc:
         raise ConfigError(f"timer_file: {exc}") from None
+
+
+def check_node_check(settings: Settings, environ: Mapping[str, str]) -> None:
+    """``--node-check``'s program exists and may be run (else exit 2, one line)."""
+    argv = node_check_argv(settings)
+    if argv and shutil.which(argv[0], path=environ.get("PATH")) is None:
+        raise ConfigError(f"node_check: command not found or not executable: {argv[0]!r}")
 
 
 def check_runnable(settings: Settings, environ: Mapping[str, str]) -> None:

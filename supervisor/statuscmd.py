@@ -276,6 +276,26 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
         lines.append(f"exit code   {doc['exit_code']}")
     lines.extend(_readiness_lines(doc.get("readiness")))
     lines.extend(_goodput_lines(doc.get("goodput")))
+    lines.extend(_health_lines(doc.get("node_health")))
+    return lines
+
+
+def _health_lines(health: object) -> list[str]:
+    """Healing: this node's state (spare, failing its check, quarantined) and the job's
+    quarantined nodes."""
+    if not isinstance(health, dict):
+        return []
+    check = health.get("last_check") or {}
+    text = f"node health {health.get('node')}: {health.get('state')}"
+    if health.get("reason"):
+        text += f" ({health['reason']})"
+    if isinstance(check, dict) and check:
+        text += f", last check {'passed' if check.get('ok') else 'failed'}"
+    lines = [text]
+    job = health.get("job") or {}
+    for held in (job.get("quarantined") or []) if isinstance(job, dict) else []:
+        if isinstance(held, dict):
+            lines.append(f"quarantined {held.get('node')}: {held.get('reason')}")
     return lines
 
 

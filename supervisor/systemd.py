@@ -333,7 +333,7 @@ async def _extend_every(notifier: Notifier, step: float) -> None:
 
 # ----------------------------------------------------------------------- STATUS lines
 
-_FINAL_PHASES: Final = frozenset({"succeeded", "failed", "stopped"})
+_FINAL_PHASES: Final = frozenset({"succeeded", "failed", "stopped", "quarantined"})
 
 
 class StatusReporter:
@@ -354,7 +354,8 @@ class StatusReporter:
 
     def publish(self, snap: Snapshot) -> None:
         line = snap.status_line or format_status(snap)
-        if not self._ready and snap.workers:
+        spare = bool(snap.node_health and snap.node_health.get("spare"))
+        if not self._ready and (snap.workers or spare):  # a spare is up: it waits, warm
             self._ready = True
             self._last = line
             self.notifier.ready(line)
@@ -403,6 +404,8 @@ def format_status(snap: Snapshot) -> str:
             text = f"failed after attempt {snap.attempt}, exit code {snap.exit_code}{failure}"
         case "stopped":
             text = f"stopped, exit code {snap.exit_code}"
+        case "quarantined":
+            text = f"quarantined after attempt {snap.attempt}, exit code {snap.exit_code}"
         case _:
             text = f"{snap.phase} attempt {snap.attempt}, {restarts}"
     return one_line(text)

@@ -61,6 +61,17 @@ class GoodputView(Protocol):
     def summary_line(self) -> str: ...
 
 
+class NodeHealthView(Protocol):
+    """Healing as the read model sees it (``supervisor.healing.Healing``)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    def view(self) -> dict[str, Any]: ...
+
+    def status_line(self) -> str | None: ...
+
+
 class RunResult(msgspec.Struct, frozen=True):
     """How a run ended: the exit code (0, the root cause's, 2, 73, 128+N) and why."""
 
@@ -88,6 +99,7 @@ class ReadModel:
         goodput: GoodputView | None = None,
         service_status: Callable[[], dict[str, Any]] | None = None,
         members_checked: bool = True,
+        node_health: NodeHealthView | None = None,
     ) -> None:
         self.settings = settings
         self.run_id = run_id
@@ -101,6 +113,7 @@ class ReadModel:
         self.goodput = goodput
         self.service_status = service_status
         self.members_checked = members_checked  # whether success was checked job-wide
+        self.node_health = node_health
         self.state = sm.State()
         self.round: RendezvousResult | None = None
         self.stale_events = 0  # earlier attempts' events dropped so far
@@ -199,6 +212,8 @@ class ReadModel:
             exit_code=s.exit_code,
             goodput=self.goodput.ledger() if self.goodput is not None else None,
             ready_when=self.settings.ready_when,
+            node_health=(self.node_health.view() if self.node_health is not None
+                         and self.node_health.enabled else None),
             stale_events=self.stale_events,
         )
 
@@ -209,6 +224,9 @@ class ReadModel:
         budget = f"restarts {s.restart_count}/{self.settings.max_restarts}"
         shown = self.group.shown_attempt(s.attempt)
         line = f"{s.phase.value} attempt {shown}: {up}/{n} workers, {budget}"
+        health = self.node_health.status_line() if self.node_health is not None else None
+        if health is not None and s.phase is sm.Phase.RENDEZVOUS:  # spare, held, failing
+            line = f"{health}, {budget}"
         # the port actually used: it differs from the default when that one was busy
         return line if self.health_port is None else f"{line}, health port {self.health_port}"
 

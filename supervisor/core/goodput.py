@@ -43,7 +43,7 @@ import msgspec
 
 CAUSES = (
     "exit_code", "signal", "hang", "dstate", "node_lost", "node_joined", "remote_failure",
-    "other",
+    "node_quarantined", "spare_admitted", "node_check", "other",
 )
 """Every cause a failure or membership change is accounted under (metrics labels)."""
 
@@ -280,6 +280,17 @@ class Accountant:
         self._running = self._waiting = False
         return closed
 
+    def relabel(self, cause: str, message: str = "") -> None:
+        """The open failure turned out to be of another cause (a local failure that was a
+        remote consequence: it is learned while the group stops)."""
+        if self._open is None or cause not in CAUSES:
+            return
+        self._open = msgspec.structs.replace(self._open, cause=cause,
+                                             message=message or self._open.message)
+        self._last = self._open
+        if self._kind is Kind.LOST:
+            self._cause = cause
+
     def stopped(self, at: float) -> None:
         """The group is stopped (every worker gone)."""
         self._running = self._waiting = False
@@ -426,6 +437,10 @@ class Accountant:
 def cause_of_membership(reason: str) -> str:
     """The cause of a membership change, from the rendezvous' reason text."""
     text = reason.lower()
+    if "spare(s) waiting" in text and ("quarantined" in text or "lost" in text):
+        return "spare_admitted"  # a spare takes the place of a node that left
+    if "quarantined" in text:
+        return "node_quarantined"
     if "lost" in text and "rendezvous lost" not in text:
         return "node_lost"
     if "join" in text:

@@ -201,6 +201,7 @@ def status_document(
             "awaiting_progress": awaited_ranks(snapshot, shown, expected, now_mono),
         },
         "goodput": goodput_json(snapshot.goodput, now_mono, now_wall),
+        "node_health": snapshot.node_health,
         "exit_code": snapshot.exit_code,
         "started_at": snapshot.started_at_wall,
         "uptime": _round(uptime),

@@ -104,6 +104,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     # goodput and readiness (supervisor.core.goodput, health.readiness)
     goodput: Ledger | None = None
     ready_when: str = "launched"  # "launched" or "progress"
+    node_health: dict[str, Any] | None = None  # healing: checks, spare, quarantine (healing.py)
     stale_events: int = 0  # earlier attempts' events dropped so far (core.state.is_stale)
 
 

@@ -14,6 +14,7 @@ import signal
 import msgspec
 from msgspec.structs import replace
 
+from supervisor.core.nodehealth import EXIT_QUARANTINED
 from supervisor.core.policy import RestartHistory, RestartPolicy
 
 # An attempt the supervisor cannot prepare (full log disk, no inodes) is retried after
@@ -36,10 +37,11 @@ class Phase(enum.Enum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     STOPPED = "stopped"
+    QUARANTINED = "quarantined"  # this node took itself out of the job (core.nodehealth)
 
     @property
     def final(self) -> bool:
-        return self in (Phase.SUCCEEDED, Phase.FAILED, Phase.STOPPED)
+        return self in (Phase.SUCCEEDED, Phase.FAILED, Phase.STOPPED, Phase.QUARANTINED)
 
 
 class StopReason(enum.Enum):
@@ -50,6 +52,7 @@ class StopReason(enum.Enum):
     SHUTDOWN = "shutdown"  # a signal asked us to stop: exit 128+N
     FATAL = "fatal"  # the node is unhealthy (D state): stop, never restart
     BARRIER = "barrier"  # another node failed while we waited at the exit barrier
+    QUARANTINE = "quarantine"  # this node is bad: stop, leave gracefully, never restart
 
 
 class FailureKind(enum.Enum):
@@ -60,6 +63,7 @@ class FailureKind(enum.Enum):
     REMOTE = "remote"  # another node's failure (multi-node)
     RENDEZVOUS = "rendezvous"  # rendezvous could not complete
     SUPERVISOR = "supervisor"  # the supervisor could not prepare an attempt (disk full...)
+    NODE_CHECK = "node_check"  # the node check failed while the workers ran
 
 
 class Failure(msgspec.Struct, frozen=True):
@@ -115,6 +119,7 @@ class RendezvousComplete(msgspec.Struct, frozen=True):
 class RendezvousFailed(msgspec.Struct, frozen=True):
     message: str
     at: float
+    job_succeeded: bool = False  # the job ended well without this node (a spare)
 
 
 class LaunchFailed(msgspec.Struct, frozen=True):
@@ -170,10 +175,17 @@ class WorkerUnhealthy(msgspec.Struct, frozen=True):
 
 
 class RemoteFailure(msgspec.Struct, frozen=True):
-    """Another node failed or restarted the job (multi-node).
+    """Another node failed or restarted the job (multi-node). While stopping for a local
+    failure: that failure was a consequence of another node's (the round's root cause was
+    recorded elsewhere first), so it uses no restart budget."""
 
-    Not constructed yet: the healing work (issue 28) posts it for the consequences here
-    of a failure on another node; its edges below are kept and tested for that."""
+    message: str
+    at: float
+
+
+class NodeQuarantined(msgspec.Struct, frozen=True):
+    """This node is bad (K root-cause failures in the window, or its node check failed
+    while the workers ran): stop, leave the rendezvous gracefully, exit EXIT_QUARANTINED."""
 
     message: str
     at: float
@@ -212,6 +224,7 @@ Event = (
     | DeadlineExpired
     | WorkerUnhealthy
     | RemoteFailure
+    | NodeQuarantined
     | MembershipChanged
     | ShutdownRequested
     | GroupStopped
@@ -348,6 +361,9 @@ def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State
             return replace(state, phase=Phase.STARTING, restart_count=count), LaunchGroup(
                 state.attempt + 1, count
             )
+        # RENDEZVOUS -> SUCCEEDED: a spare that was never needed
+        case Phase.RENDEZVOUS, RendezvousFailed() if event.job_succeeded:
+            return _finish(state, Phase.SUCCEEDED, 0, event.message)
         # RENDEZVOUS -> FAILED
         case Phase.RENDEZVOUS, RendezvousFailed():
             failure = Failure(
@@ -401,6 +417,32 @@ def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State
         case Phase.RUNNING, RemoteFailure():
             failure = Failure(FailureKind.REMOTE, state.attempt, event.at, message=event.message)
             return _stop_for(state, StopReason.MEMBERSHIP, failure)
+        # RUNNING -> STOPPING(quarantine): the node check failed while the workers ran
+        case Phase.RUNNING, NodeQuarantined():
+            failure = Failure(FailureKind.NODE_CHECK, state.attempt, event.at,
+                              message=event.message)
+            new, decision = _stop_for(state, StopReason.QUARANTINE, failure)
+            return replace(new, last_decision_reason=f"node quarantined: {event.message}"), (
+                decision)
+        # STOPPING(failure) -> STOPPING(membership): the failure was another node's
+        case Phase.STOPPING, RemoteFailure() if state.stop_reason is StopReason.FAILURE:
+            failure = Failure(FailureKind.REMOTE, state.attempt, event.at, message=event.message)
+            return replace(state, stop_reason=StopReason.MEMBERSHIP, root_cause=failure,
+                           last_failure=failure), Nothing()
+        # STOPPING(failure) -> STOPPING(quarantine): the K-th failure of this node
+        case Phase.STOPPING, NodeQuarantined() if state.stop_reason in (
+            StopReason.FAILURE, StopReason.MEMBERSHIP
+        ):
+            return replace(state, stop_reason=StopReason.QUARANTINE,
+                           last_decision_reason=f"node quarantined: {event.message}"), Nothing()
+        # RENDEZVOUS -> QUARANTINED: the check failed and nothing can take the node's place
+        case Phase.RENDEZVOUS, NodeQuarantined():
+            failure = Failure(FailureKind.NODE_CHECK, state.attempt, event.at,
+                              message=event.message)
+            return _finish(state, Phase.QUARANTINED, EXIT_QUARANTINED,
+                           f"node quarantined: {event.message}", failure)
+        case Phase.STOPPING | Phase.BACKOFF | Phase.EXIT_BARRIER, NodeQuarantined():
+            return state, Nothing()
         case Phase.RUNNING, MembershipChanged():
             return _stop_for(state, StopReason.MEMBERSHIP, None)
         # while stopping, exits are expected and deadlines are moot
@@ -521,6 +563,10 @@ def _on_group_stopped(
             root = state.root_cause
             reason = "node unhealthy: " + (root.describe() if root else "unknown")
             return _finish(state, Phase.FAILED, root.process_exit_code if root else 1, reason)
+        case StopReason.QUARANTINE:
+            # STOPPING(quarantine) -> QUARANTINED: leave gracefully, never restart
+            return _finish(state, Phase.QUARANTINED, EXIT_QUARANTINED,
+                           state.last_decision_reason)
         case StopReason.MEMBERSHIP:
             # STOPPING(membership) -> RENDEZVOUS: no budget, no backoff
             return replace(state, phase=Phase.RENDEZVOUS, stop_reason=None), StartRendezvous()

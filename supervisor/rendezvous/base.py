@@ -9,10 +9,12 @@ in ``capabilities``. ``static`` is the embedded default (no server); ``etcd`` an
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from anyio.abc import TaskStatus
+
+from supervisor.core.nodehealth import Judgement, Limits, NodeFailure, Quarantine, RoundCause
 
 if TYPE_CHECKING:
     from supervisor.rendezvous.etcd import EtcdRendezvous
@@ -30,6 +32,7 @@ class RendezvousResult(msgspec.Struct, frozen=True):
     master_port: int
     members: tuple[str, ...] = ()  # node ids in group-rank order
     duration: float = 0.0  # seconds the round took to complete
+    spare: bool = False  # this node waited as a spare (beyond max nodes) before this round
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
@@ -57,6 +60,10 @@ class RendezvousError(Exception):
 
 class RendezvousClosed(RendezvousError):
     """The job was closed (succeeded or failed for good on some node)."""
+
+    def __init__(self, message: str, *, succeeded: bool = False) -> None:
+        super().__init__(message)
+        self.succeeded = succeeded  # it ended well (a spare that was never needed: exit 0)
 
 
 class Capabilities(msgspec.Struct, frozen=True):
@@ -124,4 +131,55 @@ class Rendezvous(Protocol):
 
     async def aclose(self) -> None:
         """Release connections and leases."""
+        ...
+
+    def node_ledger(self, limits: Limits) -> NodeLedger:
+        """This node's health facts (root causes, failure record, quarantine)."""
+        ...
+
+    async def serve_until_job_ends(self) -> None:
+        """After this node left: return once the other nodes no longer need anything from
+        it (at once, except on a c10d host, whose etcd they depend on)."""
+        ...
+
+
+class NodeLedger(Protocol):
+    """Where a backend keeps a node's health facts (``core.nodehealth``): job-wide in etcd,
+    in memory for the static backend. Every method may raise ``RendezvousError``-free
+    errors of its transport; the caller bounds and logs them."""
+
+    node: str  # this node's health id
+    member: str  # its rendezvous member id
+    # another node can take this one's place: a node failing its check waits (re-checking)
+    # instead of ending the run with the quarantine exit code (the static backend: False)
+    replaceable: bool
+
+    @property
+    def spare(self) -> bool:
+        """This node waits beyond MAX nodes for a place (a warm spare)."""
+        ...
+
+    async def claim_root_cause(self, cause: RoundCause) -> RoundCause:
+        """Record ``cause`` as its round's root cause unless another node did first;
+        return the round's root cause."""
+        ...
+
+    async def record_failure(self, failure: NodeFailure) -> Judgement:
+        """Count a failure whose root cause was this node's; the quarantine verdict."""
+        ...
+
+    async def quarantine(self, reason: str) -> None:
+        """Mark this node quarantined (it stays out until an operator clears it)."""
+        ...
+
+    async def held(self) -> Quarantine | None:
+        """This node's quarantine, if it is still held."""
+        ...
+
+    async def wait_cleared(self) -> None:
+        """Return once this node's quarantine is cleared."""
+        ...
+
+    async def job_view(self) -> dict[str, Any]:
+        """Every node's record (quarantined nodes, failures in the window), for /status."""
         ...

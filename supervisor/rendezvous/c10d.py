@@ -49,9 +49,11 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskStatus
 
+from supervisor.core.nodehealth import Limits
 from supervisor.rendezvous.base import (
     BarrierResult,
     Capabilities,
+    NodeLedger,
     RendezvousClosed,
     RendezvousError,
     RendezvousResult,
@@ -408,11 +410,16 @@ class HostedEtcd:
             lines = []
         return lines[-1][:300] if lines else "no output"
 
-    async def other_leases(self) -> int:
-        """How many leases the server holds (every live node holds one)."""
+    async def other_leases(self, max_ttl: int) -> int:
+        """How many nodes' leases the server holds (every live node holds one, of at most
+        ``max_ttl`` seconds; the node health records' leases last their window)."""
         async with self.client() as client:
             data = await client.call("/v3/lease/leases", {})
-        return len(data.get("leases") or [])
+            count = 0
+            for lease in data.get("leases") or []:
+                info = await client.call("/v3/lease/timetolive", {"ID": lease.get("ID")})
+                count += int(info.get("grantedTTL", 0)) <= max_ttl
+        return count
 
     async def stop(self) -> None:
         """TERM, then KILL after the grace; reap; remove the data directory."""
@@ -642,6 +649,19 @@ class C10dRendezvous:
         with anyio.move_on_after(PROBE_TIMEOUT if gone else math.inf):
             await self.inner.leave()
 
+    def node_ledger(self, limits: Limits) -> NodeLedger:
+        return self.inner.node_ledger(limits)
+
+    async def serve_until_job_ends(self) -> None:
+        """As host: until the job is over for everyone (a host that quarantined itself
+        keeps serving, without workers: the other nodes depend on its etcd)."""
+        if self.server is None:
+            return
+        logger.info("c10d: this node left the job but keeps serving the rendezvous at %s "
+                    "until the job ends", self.config.endpoint)
+        await self.inner.wait_job_closed()
+        self._job_over = True
+
     async def aclose(self) -> None:
         """Close the etcd rendezvous; as host, give the other nodes up to ``close_timeout``
         to see the job's end before the server goes (only when the job did end)."""
@@ -660,7 +680,7 @@ class C10dRendezvous:
         with anyio.move_on_after(self.config.close_timeout):
             while True:
                 try:
-                    if await self.server.other_leases() == 0:
+                    if await self.server.other_leases(self.config.etcd.lease_ttl) == 0:
                         return
                 except EtcdError:
                     return

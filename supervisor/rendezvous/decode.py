@@ -37,6 +37,7 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 
+from supervisor.core import nodehealth as nh
 from supervisor.rendezvous.base import RendezvousError
 
 logger = logging.getLogger(__name__)
@@ -206,6 +207,10 @@ SCHEMAS: dict[str, Schema] = {
     "ctl/shape": Schema(Shape, 1 << 10, OnBad.IGNORE),  # advisory: no verdict from it
     "nodes/join": Schema(Join, 2 << 10, OnBad.IGNORE),
     "status": Schema(Summary, 8 << 10, OnBad.IGNORE),
+    # healing (rendezvous/etcd_health.py): a bad cause or record is one node's claim
+    # about itself; the job is safe without it (the node counts as having none)
+    "ctl/cause": Schema(nh.RoundCause, 16 << 10, OnBad.IGNORE),
+    "health": Schema(nh.NodeRecord, 256 << 10, OnBad.IGNORE),
 }
 
 IGNORED: Counter[str] = Counter()  # key kind -> bad values ignored (this process)

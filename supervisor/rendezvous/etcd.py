@@ -33,9 +33,12 @@ import anyio
 import msgspec
 from anyio.abc import TaskStatus
 
+from supervisor.core.nodehealth import Limits
+from supervisor.core.partition import standing_since
 from supervisor.rendezvous.base import (
     BarrierResult,
     Capabilities,
+    NodeLedger,
     RendezvousClosed,
     RendezvousError,
     RendezvousResult,
@@ -48,10 +51,8 @@ from supervisor.rendezvous.etcd_client import (
     EtcdLeaseNotFound,
     EtcdUnavailable,
     JsonDict,
-    PrefixView,
     Reachability,
     compare,
-    open_prefix_view,
     put_op,
 )
 from supervisor.rendezvous.etcd_config import (
@@ -62,6 +63,8 @@ from supervisor.rendezvous.etcd_config import (
     parse_nnodes,
     parse_rdzv_conf,
 )
+from supervisor.rendezvous.etcd_cutoff import CutoffCheck
+from supervisor.rendezvous.etcd_health import EtcdNodeLedger
 from supervisor.rendezvous.etcd_leader import Leader
 from supervisor.rendezvous.etcd_lease import LeaseKeeper, PausableDeadline
 from supervisor.rendezvous.etcd_state import (
@@ -74,6 +77,7 @@ from supervisor.rendezvous.etcd_state import (
     close_job_txn,
     round_guard,
 )
+from supervisor.rendezvous.etcd_watch import PrefixView, open_prefix_view
 from supervisor.rendezvous.sameid import ended_line, meet, shape_value
 from supervisor.rendezvous.waitreport import WaitClock, WaitProgress, unresolved
 
@@ -85,6 +89,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _CAS_ATTEMPTS = 50
+PEER_LEARNING_BOUND = 1.0  # seconds a completed round may spend reading its peers' URLs
 _Done = tuple[list[Member], tuple[str, int]]  # a finished round: members, (addr, port)
 EventHook = Callable[..., object]  # EventLog.emit(kind, **fields)
 
@@ -125,6 +130,12 @@ class EtcdRendezvous:
         self._lease = LeaseKeeper(self._client, config.lease_ttl, self._lease_replaced)
         self._leader = Leader(self._client, self._keys, self._policy, self._lease,
                               config.node_id)
+        self._cutoff = CutoffCheck(self._client, config.run_id, config.node_id,
+                                   ttl=config.lease_ttl,
+                                   last_refresh_sent=self._standing_since,
+                                   on_cut_off=self._cut_off)
+        self._cut_off_reason: str | None = None  # this node is the one cut off from etcd
+        self._evicted_reason = ""
         self._ctl: PrefixView | None = None
         self._ready = anyio.Event()
         self._running = False
@@ -135,6 +146,8 @@ class EtcdRendezvous:
         self._last_round = -1  # the last round this node was handed
         self._joined = -1  # the round this node's join key is in (-1: none)
         self._waiting = -1  # the round this node's wait key is in
+        self._spare = False  # waiting beyond max_nodes: join_timeout does not run
+        self._was_spare = False  # since the last round this node was handed
         self._evicted = False  # lease lost while etcd was reachable: the others saw it go
         self._held: dict[str, tuple[str, list[JsonDict]]] = {}  # lease-bound: value, guard
         self._deadlines: set[PausableDeadline] = set()
@@ -159,9 +172,16 @@ class EtcdRendezvous:
         return self._client.reachability
 
     def outage_status(self) -> dict[str, Any]:
-        """For ``/status``: whether etcd answers, and the outages so far."""
+        """For ``/status``: whether etcd answers (to requests and to this node's watch:
+        never "reachable" while the watch is dead), and the outages so far."""
         r = self._client.reachability
-        return {"reachable": r.unreachable_since is None,
+        watch_live = self._ctl is not None and self._ctl.watch_live
+        return {"reachable": r.unreachable_since is None and watch_live,
+                "requests_answered": r.unreachable_since is None,
+                "watch": {"live": watch_live,
+                          "endpoint": self._ctl.watch_endpoint if self._ctl else None,
+                          "resyncs": self._ctl.resyncs if self._ctl else 0},
+                "cut_off": self._cut_off_reason,
                 "unreachable_for": round(r.outage_age(time.monotonic()), 3),
                 "outages": r.outages, "last_outage": round(r.last_outage, 3),
                 "total_outage": round(r.total_outage, 3), "cause": r.cause or None,
@@ -228,12 +248,14 @@ class EtcdRendezvous:
             with _etcd_errors("reading the job's control keys"):
                 # bounded like connect(): the supervisor is still starting
                 async with open_prefix_view(self._client, self._keys.ctl,
-                                            retry_window=self.config.lease_ttl) as view:
+                                            retry_window=self.config.lease_ttl,
+                                            on_live=self._watch_live) as view:
                     self._ctl = view
                     self._running = True
                     self._ready.set()
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._campaign)
+                        tg.start_soon(self._cutoff.run)
                         task_status.started()
                         await self._lease.keep_alive()
                         await self._closed.wait()
@@ -291,8 +313,10 @@ class EtcdRendezvous:
             return  # start-up: connect() reports an unusable endpoint in one line itself
         if reachable:
             logger.warning("etcd reachable again after %.1fs", r.last_outage)
+            self._cutoff.outage_ended()
             for deadline in self._deadlines:
-                deadline.resume()
+                if not self._spare:  # a spare's join_timeout stays paused
+                    deadline.resume()
             self._emit("etcd_reachable", outage=round(r.last_outage, 3), outages=r.outages)
             return
         limit = self.config.outage_limit
@@ -300,7 +324,26 @@ class EtcdRendezvous:
                        "for as long as it takes" if limit is None else f"for up to {limit:g}s")
         for deadline in self._deadlines:
             deadline.pause()
+        self._cutoff.outage_began()
         self._emit("etcd_unreachable", cause=r.cause, outage_limit=limit)
+
+    def _standing_since(self) -> float:
+        return standing_since(self._lease.last_refresh_sent,
+                              self._client.reachability.recovered_at)
+
+    def _watch_live(self, live: bool) -> None:
+        """The control watch opened or died: /status changes (publish it)."""
+        if self._lease.id and not self._closed.is_set():
+            self._emit("etcd_watch", live=live,
+                       endpoint=self._ctl.watch_endpoint if self._ctl else None)
+
+    def _cut_off(self, reason: str) -> None:
+        """The cut-off rule says this node is out of the job (``core.partition``): its
+        round is over; its workers stop and it joins the next round when etcd answers."""
+        self._cut_off_reason = reason
+        logger.warning("etcd rendezvous: %s", reason)
+        self._emit("etcd_cut_off", reason=reason)
+        self._notify_ctl()
 
     @contextmanager
     def _join_deadline(self) -> Iterator[anyio.CancelScope]:
@@ -321,10 +364,13 @@ class EtcdRendezvous:
         self._emit("etcd_lease_replaced", lease=f"{self._lease.id:x}", across_outage=across_outage)
         if not across_outage:
             self._evicted = True
+            self._evicted_reason = "its lease expired while etcd was reachable"
             self._held.clear()
             self._joined = self._waiting = -1
             self._notify_ctl()
             return
+        running = self._keys.node(self._last_round, "join", self.node_id)
+        lost_running = False
         for key, (value, guard) in list(self._held.items()):
             try:
                 result = await self._client.txn(guard, [put_op(key, value, lease=self._lease.id)])
@@ -332,9 +378,24 @@ class EtcdRendezvous:
                 logger.warning("cannot restore %s after the outage: %s", key, exc)
                 result = None
             if result is None or not result.succeeded:
-                self._held.pop(key, None)  # the job moved on meanwhile: the watch shows how
+                self._held.pop(key, None)  # the job moved on meanwhile
+                lost_running = lost_running or key == running
         logger.info("restored %d etcd key(s) under the new lease %x", len(self._held),
                     self._lease.id)
+        if lost_running:  # not a member any more: act now, not when a stream says so
+            if self._ctl is not None:
+                try:  # so that a round opened meanwhile is the reason given, if it was
+                    with anyio.move_on_after(self._client.timeout):
+                        await self._ctl.refresh()
+                except EtcdError as exc:
+                    logger.debug("cannot re-read the control keys: %s", exc)
+            self._evicted = True
+            self._evicted_reason = (f"its join key of round {self._last_round} could not be "
+                                    "restored after the etcd outage: the job went on without it")
+            self._joined = -1
+            logger.warning("etcd rendezvous: this node is no longer a member: %s",
+                           self._evicted_reason)
+            self._notify_ctl()
 
     def _notify_ctl(self) -> None:
         if self._ctl is not None:
@@ -419,7 +480,8 @@ class EtcdRendezvous:
         """Join the next round and wait until it completes: at most ``join_timeout`` while
         etcd answers, plus any outage (bounded by ``outage_limit``)."""
         await self._usable()
-        self._evicted = False
+        self._evicted, self._cut_off_reason = False, None
+        self._cutoff.round_ended()
         started = time.monotonic()
         result: RendezvousResult | None = None
         self._clock = WaitClock(started, time.time(), self.config.wait_report_every)
@@ -436,6 +498,8 @@ class EtcdRendezvous:
         if result is None:
             raise RendezvousError(f"etcd rendezvous {self.run_id} timed out after "
                                   f"{self.config.join_timeout:g}s: {await self._describe()}")
+        with anyio.move_on_after(PEER_LEARNING_BOUND):  # a few reads; never delays a round long
+            await self._cutoff.learn_peers()
         logger.info("etcd rendezvous round %d complete in %.3fs: group rank %d of %d, "
                     "master %s:%d", result.round, result.duration, result.group_rank,
                     result.group_world_size, result.master_addr, result.master_port)
@@ -508,7 +572,8 @@ class EtcdRendezvous:
                 ended = ended_line(self.run_id, msgspec.to_builtins(state.closed))
                 raise RendezvousClosed(f"etcd rendezvous: {ended}")
             if state.closed is not None:
-                raise RendezvousClosed(f"job {self.run_id} is closed: {state.closed.reason}")
+                raise RendezvousClosed(f"job {self.run_id} is closed: {state.closed.reason}",
+                                       succeeded=bool(state.closed.ok))
             done = await self._step(state, lws)
             if isinstance(done, tuple):
                 return self._result(state.round, *done, started)
@@ -534,6 +599,7 @@ class EtcdRendezvous:
         return await self._waiting_room(state, n, members)
 
     async def _join(self, state: State, n: int, lws: int) -> bool:
+        self._set_spare(False)
         me = Member(self.node_id, self.config.local_addr, lws)
         same_round = round_guard(state)
         guard = [*same_round, compare(self._keys.result(n), "VERSION", "=", 0)]
@@ -569,7 +635,32 @@ class EtcdRendezvous:
             return True
         self._progress = (f"waiting to be admitted: round {n} runs with {len(members)} "
                           f"node(s) (max {self.config.max_nodes})")
+        if len(members) >= self.config.max_nodes:
+            self._set_spare(True, round=n)
         return False
+
+    def _set_spare(self, spare: bool, **fields: Any) -> None:
+        """A node beyond max_nodes is a spare: it waits for as long as the job runs
+        (join_timeout is paused) and is admitted by the next round that has room."""
+        if spare == self._spare:
+            return
+        self._spare = spare
+        self._was_spare = self._was_spare or spare
+        for deadline in self._deadlines:
+            if spare:
+                deadline.pause()
+            elif self._client.reachability.unreachable_since is None:
+                deadline.resume()
+        if spare:
+            logger.info("etcd rendezvous: waiting as a spare (%s)", self._progress)
+            self._emit("spare_waiting", **fields)
+        else:
+            self._emit("spare_joining")
+
+    @property
+    def spare(self) -> bool:
+        """This node waits as a spare (beyond max_nodes, the round is full)."""
+        return self._spare
 
     async def _advance(self, state: State, n: int, reason: str) -> bool:
         """Open round n+1 (if nobody did yet) and forget round n-1."""
@@ -585,11 +676,13 @@ class EtcdRendezvous:
         rank = ids.index(self.node_id)
         sizes = [m.local_world_size for m in members]
         self._last_round = n
+        spare, self._was_spare = self._was_spare, False
+        self._cutoff.round_started(n, ids)
         return RendezvousResult(
             round=n, group_rank=rank, group_world_size=len(members),
             rank_offset=sum(sizes[:rank]), world_size=sum(sizes),
             master_addr=master[0], master_port=master[1], members=tuple(ids),
-            duration=time.monotonic() - started,
+            duration=time.monotonic() - started, spare=spare,
         )
 
     # while the round runs
@@ -617,7 +710,11 @@ class EtcdRendezvous:
         if state.round > result.round:
             return state.round_reason or f"round {state.round} was opened by another node"
         if self._evicted:
-            raise RendezvousError(f"this node's etcd lease was lost (now {self._lease.id:x})")
+            why = self._evicted_reason or "the others saw it leave"
+            raise RendezvousError(f"this node's etcd lease was lost (now {self._lease.id:x}): "
+                                  f"{why}")
+        if self._cut_off_reason is not None:
+            return f"cut off from etcd: {self._cut_off_reason}"
         return None
 
     async def exit_barrier(self, result: RendezvousResult, timeout: float) -> BarrierResult:
@@ -714,6 +811,24 @@ class EtcdRendezvous:
                                       f"not answer within {self.config.lease_ttl}s")
         logger.error("etcd rendezvous %s closed as failed: %s", self.run_id, message)
 
+    def node_ledger(self, limits: Limits) -> NodeLedger:
+        """This node's health facts in the job's etcd (``etcd_health``)."""
+        return EtcdNodeLedger(self._client, self._keys.prefix, self.config.health_id,
+                              self.node_id, limits, spare=lambda: self._spare)
+
+    async def serve_until_job_ends(self) -> None:
+        """Nothing to serve: an external etcd outlives this node."""
+
+    async def wait_job_closed(self) -> None:
+        """Until the job is closed for everyone (a quarantined c10d host serves until then)."""
+        await self._ready.wait()
+        assert self._ctl is not None
+        while True:
+            seen = self._ctl.version
+            if self._state().closed is not None:
+                return
+            await self._ctl.wait_changed(seen)
+
     async def _close(self, *, ok: bool, reason: str) -> None:
         await self._client.txn(*close_job_txn(self._keys, ok=ok, reason=reason,
                                               node=self.node_id))
@@ -724,7 +839,7 @@ class EtcdRendezvous:
         """Hold the leader key when nobody does, and lead while holding it."""
         assert self._ctl is not None
         delay = 0.05
-        while not self._lease.given_up.is_set():
+        while not self._lease.given_up.is_set() and not self._left:  # left: no lease
             seen, leader = self._ctl.version, self._state().leader
             try:
                 if leader is None:

@@ -20,21 +20,22 @@ import supervisor.lean  # noqa: F401  -- before the first aiohttp import
 
 # isort: split
 import base64
-import json
 import logging
 import ssl
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import aiohttp
 import anyio
 
 from supervisor.rendezvous.decode import WireError, gateway_kv, gateway_list
+
+if TYPE_CHECKING:
+    from supervisor.rendezvous.etcd_watch import Watch
 
 logger = logging.getLogger(__name__)
 
@@ -167,6 +168,25 @@ class Reachability:
 ReachabilityHook = Callable[[bool, Reachability], None]  # (reachable now?, state)
 
 
+@dataclass
+class EndpointHealth:
+    """One member as this client last found it (monotonic times; 0: never)."""
+
+    last_ok: float = 0.0  # it answered a request
+    last_failed: float = 0.0  # a request to it failed (down, timeout, no leader)
+
+    def answered(self) -> None:
+        self.last_ok = time.monotonic()
+
+    def failed(self) -> None:
+        self.last_failed = time.monotonic()
+
+    @property
+    def failing(self) -> bool:
+        """Whether its latest request failed."""
+        return self.last_failed > self.last_ok
+
+
 def _b64(text: str | bytes) -> str:
     raw = text.encode() if isinstance(text, str) else text
     return base64.b64encode(raw).decode()
@@ -272,6 +292,7 @@ class EtcdClient:
         self._password = password
         self._token: str | None = None
         self._current = 0
+        self._health: dict[str, EndpointHealth] = {}
         self._session: aiohttp.ClientSession | None = None
         self._closed = False
 
@@ -407,8 +428,10 @@ class EtcdClient:
                     logger.debug("etcd %s%s failed: %s", endpoint, path, exc)
                     self.stats.failed_attempts += 1
                     failures.append(f"{endpoint}: {exc}")
+                    self.endpoint_health(endpoint).failed()
                     self._avoid(endpoint)
                     continue
+                self.endpoint_health(endpoint).answered()
                 self._prefer(endpoint)
                 self._reached()
                 return data
@@ -489,230 +512,34 @@ class EtcdClient:
     def watch(self, key: str, *, prefix: bool = False, start_revision: int) -> Watch:
         """Watch the key (or prefix) from ``start_revision``: ``async with client.watch(...)
         as w: async for events in w``. Reconnects to any endpoint, resuming after the last
-        event, for up to ``retry_window`` seconds per outage; then ``EtcdUnavailable``."""
+        event, for up to ``retry_window`` seconds per outage; then ``EtcdUnavailable``.
+        After an outage it raises ``etcd_watch.WatchResync``: re-read, then watch again
+        from the fresh revision. See ``etcd_watch`` for how a watch notices that its
+        member went quiet."""
+        from supervisor.rendezvous.etcd_watch import Watch
+
         return Watch(self, _key_range(key, prefix), start_revision)
 
+    # what the client learnt about each member (watches follow it, see etcd_watch)
 
-class Watch:
-    """One watch stream; yields batches of events, reconnecting across endpoints."""
+    @property
+    def preferred(self) -> str:
+        """The endpoint the next request goes to first: the last one that answered."""
+        return self.endpoints[self._current]
 
-    def __init__(self, client: EtcdClient, key_range: JsonDict, start_revision: int) -> None:
-        self._client = client
-        self._key_range = key_range
-        self.next_revision = start_revision
-        self._resp: aiohttp.ClientResponse | None = None
-        self._buffer = b""
+    def endpoint_health(self, endpoint: str) -> EndpointHealth:
+        """When ``endpoint`` last answered and last failed a request (monotonic)."""
+        return self._health.setdefault(endpoint, EndpointHealth())
 
-    async def __aenter__(self) -> Watch:
-        return self
-
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._disconnect()
-
-    def __aiter__(self) -> Watch:
-        return self
-
-    async def __anext__(self) -> list[WatchEvent]:
-        while True:
-            if self._resp is None:
-                await self._connect_with_retries()
-            try:
-                events = await self._read_message()
-            except _EndpointDown as exc:
-                logger.info("etcd watch stream broke (%s); reconnecting", exc)
-                self._disconnect()
-                continue
-            if events:
-                self._client.stats.watch_events += len(events)
-                self._client.stats.watch_bytes += sum(len(ev.kv.value) for ev in events)
-                self.next_revision = events[-1].kv.mod_revision + 1
-                return events
-
-    def _disconnect(self) -> None:
-        if self._resp is not None:
-            self._resp.close()
-            self._resp = None
-            self._buffer = b""
-
-    async def _connect_with_retries(self) -> None:
-        client, delay = self._client, 0.05
-        window = client.retry_window
-        if window is not None:
-            window = max(window, client.timeout)
-        while True:
-            failures: list[str] = []
-            for endpoint in client._rotation():
-                try:
-                    await self._connect(endpoint)
-                except _EndpointDown as exc:
-                    failures.append(f"{endpoint}: {exc}")
-                    client._avoid(endpoint)
-                    continue
-                client._prefer(endpoint)
-                return
-            # A watch that connects proves little (a member without quorum accepts it), so
-            # only failures count towards the outage; the next unary answer ends it.
-            client._unreached("; ".join(failures))
-            remaining = client._may_retry(window)
-            if remaining <= 0:
-                age = client.reachability.outage_age(time.monotonic())
-                raise EtcdUnavailable(f"etcd watch could not reconnect for {age:.1f}s "
-                                      f"({'; '.join(failures)})")
-            await anyio.sleep(min(delay, remaining))  # every member is down: back off
-            delay = min(delay * 2, 1.0)
-
-    async def _connect(self, endpoint: str) -> None:
-        body = {"create_request": {**self._key_range, "start_revision": str(self.next_revision)}}
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._client.timeout)
-        headers = await self._client._headers(endpoint)
-        self._client.stats.watches_opened += 1
+    async def probe(self, endpoint: str, key: str) -> None:
+        """One linearizable read of ``key`` on ``endpoint`` alone (no failover): it needs
+        the member's raft leader, so it fails on a member that is cut off or has no
+        quorum. Raises ``EtcdUnavailable`` if the member did not answer in ``timeout``."""
+        body = {**_key_range(key, False), "count_only": True}
         try:
-            self._resp = await self._client._http().post(
-                endpoint + "/v3/watch", json=body, headers=headers, timeout=timeout
-            )
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _EndpointDown(_describe(exc)) from exc
-
-    async def _read_line(self) -> bytes:
-        assert self._resp is not None
-        while b"\n" not in self._buffer:
-            try:
-                chunk = await self._resp.content.readany()
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise _EndpointDown(_describe(exc)) from exc
-            if not chunk:
-                raise _EndpointDown("stream closed")
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line
-
-    async def _read_message(self) -> list[WatchEvent]:
-        try:
-            data = json.loads(await self._read_line())
-        except ValueError as exc:
-            raise EtcdError("etcd watch sent something that is not JSON") from exc
-        _raise_for_error(data)
-        result: JsonDict = data.get("result", {})
-        if result.get("canceled"):
-            self._raise_canceled(result)
-        return [
-            WatchEvent("DELETE" if ev.get("type") == "DELETE" else "PUT",
-                       KeyValue.from_json(ev.get("kv")))
-            for ev in _objects(result.get("events", ()))
-        ]
-
-    def _raise_canceled(self, result: JsonDict) -> None:
-        compact = int(result.get("compact_revision", 0))
-        if compact:
-            raise EtcdCompacted(f"watch start revision {self.next_revision} was compacted "
-                                f"(oldest kept: {compact})")
-        reason = str(result.get("cancel_reason", "no reason given"))
-        if "auth token" in reason:
-            self._client._token = None
-            raise _EndpointDown(reason)
-        raise EtcdError(f"etcd canceled the watch: {reason}")
-
-
-class PrefixView:
-    """A local copy of every key under a prefix, kept current by one watch.
-
-    Open with :func:`open_prefix_view`. ``kvs`` maps full keys to values as of
-    ``revision``; :meth:`wait_changed` returns after an update.
-    """
-
-    def __init__(self, client: EtcdClient, prefix: str) -> None:
-        self.client = client
-        self.prefix = prefix
-        self.kvs: dict[str, KeyValue] = {}
-        self.revision = 0
-        self.version = 0  # bumped on every update; pass it to wait_changed
-        self._changed = anyio.Event()
-        self._error: EtcdError | None = None
-
-    async def refresh(self, *, retry_window: float | Literal["default"] | None = "default"
-                      ) -> None:
-        """Re-read the whole prefix now (after a write, so decisions see its effect)."""
-        result = await self.client.range(self.prefix, prefix=True, retry_window=retry_window)
-        if result.revision > self.revision:
-            self.kvs = {kv.key: kv for kv in result.kvs}
-            self.revision = result.revision
-            self._notify()
-
-    async def wait_changed(self, since: int | None = None) -> None:
-        """Wait until ``version`` moves past ``since`` (default: now); raise the watch's
-        error if it failed for good. Read ``version`` with the state you decided on, so an
-        update in between is not missed."""
-        since = self.version if since is None else since
-        while self.version <= since and self._error is None:
-            await self._changed.wait()
-        if self._error is not None:
-            raise self._error
-
-    async def wait_revision(self, revision: int) -> None:
-        """Wait until the view has applied ``revision`` (a write of ours under the prefix):
-        the watch brings it, so no re-read is needed."""
-        while self.revision < revision and self._error is None:
-            await self._changed.wait()
-        if self._error is not None:
-            raise self._error
-
-    def poke(self) -> None:
-        """Wake every ``wait_changed`` as if the prefix had changed: its owner's own state
-        did (for example its lease was replaced), so waiters should look again."""
-        self._notify()
-
-    def _notify(self) -> None:
-        self.version += 1
-        self._changed.set()
-        self._changed = anyio.Event()
-
-    def _apply(self, events: list[WatchEvent]) -> None:
-        # One txn's events share a revision: filter against the revision before the batch.
-        floor = self.revision
-        fresh = [ev for ev in events if ev.kv.mod_revision > floor]
-        for ev in fresh:
-            if ev.type == "DELETE":
-                self.kvs.pop(ev.kv.key, None)
-            else:
-                self.kvs[ev.kv.key] = ev.kv
-            self.revision = ev.kv.mod_revision
-        if fresh:
-            self._notify()
-
-    async def _follow(self) -> None:
-        while True:
-            try:
-                async with self.client.watch(
-                    self.prefix, prefix=True, start_revision=self.revision + 1
-                ) as watch:
-                    async for events in watch:
-                        self._apply(events)
-            except EtcdCompacted:
-                await self.refresh()
-            except EtcdError as exc:
-                self._error = exc
-                self._notify()
-                return
-
-
-@asynccontextmanager
-async def open_prefix_view(client: EtcdClient, prefix: str, *,
-                           retry_window: float | Literal["default"] | None = "default"
-                           ) -> AsyncIterator[PrefixView]:
-    """Read ``prefix`` (retrying for ``retry_window``) and follow it by watch until the
-    block exits."""
-    view = PrefixView(client, prefix)
-    await view.refresh(retry_window=retry_window)
-    body_error: BaseException | None = None
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(view._follow)
-        try:
-            yield view
-        except BaseException as exc:  # re-raised below, not wrapped in an ExceptionGroup
-            body_error = exc
-        finally:
-            tg.cancel_scope.cancel()
-    if body_error is not None:
-        raise body_error
+            with anyio.fail_after(self.timeout):
+                await self._post_authenticated(endpoint, "/v3/kv/range", body)
+        except (_EndpointDown, TimeoutError) as exc:
+            self.endpoint_health(endpoint).failed()
+            raise EtcdUnavailable(f"{endpoint}: {_describe(exc)}") from exc
+        self.endpoint_health(endpoint).answered()

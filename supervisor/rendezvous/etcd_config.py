@@ -35,7 +35,10 @@ class EtcdRendezvousConfig:
     run_id: str
     min_nodes: int
     max_nodes: int
-    node_id: str = field(default_factory=_default_node_id)  # unique per agent
+    node_id: str = ""  # unique per agent; "" makes one (host:pid:random)
+    # who failures are counted against (survives a restart of the supervisor):
+    # "" means node_id when it was given, else the host name
+    health_id: str = ""
     local_addr: str = ""
     join_timeout: float = 600.0
     last_call_timeout: float = 30.0
@@ -51,8 +54,13 @@ class EtcdRendezvousConfig:
     password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if not self.health_id:
+            object.__setattr__(self, "health_id", self.node_id or socket.gethostname())
+        if not self.node_id:
+            object.__setattr__(self, "node_id", _default_node_id())
         _check(bool(self.endpoints), "--rdzv-endpoint: at least one etcd endpoint is required")
-        for name, value in (("--rdzv-id", self.run_id), ("node id", self.node_id)):
+        for name, value in (("--rdzv-id", self.run_id), ("node id", self.node_id),
+                            ("node id", self.health_id)):
             _check(bool(value) and "/" not in value and value.isprintable(),
                    f"{name} must be non-empty, printable and without '/': {value!r}")
         _check(1 <= self.min_nodes <= self.max_nodes,

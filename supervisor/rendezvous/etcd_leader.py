@@ -10,7 +10,7 @@ import time
 
 import anyio
 
-from supervisor.rendezvous.etcd_client import EtcdClient, PrefixView, open_prefix_view
+from supervisor.rendezvous.etcd_client import EtcdClient
 from supervisor.rendezvous.etcd_lease import LeaseKeeper
 from supervisor.rendezvous.etcd_state import (
     Advance,
@@ -26,6 +26,7 @@ from supervisor.rendezvous.etcd_state import (
     close_round_txn,
     decide,
 )
+from supervisor.rendezvous.etcd_watch import PrefixView, open_prefix_view
 
 logger = logging.getLogger(__name__)
 

@@ -45,15 +45,21 @@ class LeaseKeeper:
         self._last_ok = 0.0
         self._replacing = anyio.Lock()
 
+    @property
+    def last_refresh_sent(self) -> float:
+        """When the last grant or refresh that etcd answered was sent (monotonic)."""
+        return self._last_ok
+
     async def grant(self, *, bounded: bool = False) -> None:
         """A new lease; ``bounded``: retry for one TTL at most (start-up: a bad endpoint
         must fail quickly, not wait out an outage)."""
+        sent = time.monotonic()
         if bounded:
             self.id, self.ttl = await self._client.lease_grant(self.ttl, retry_window=self.ttl)
         else:
             self.id, self.ttl = await self._client.lease_grant(self.ttl)
         self.generation += 1
-        self._last_ok = time.monotonic()
+        self._last_ok = sent
         logger.info("etcd lease %x granted (ttl %ds)", self.id, self.ttl)
 
     async def keep_alive(self) -> None:

@@ -13,6 +13,8 @@ follows, are under ``nodes/``::
     ctl/master/N              {"addr", "port"}        published by group rank 0 of round N
     ctl/restarts              {"count": K}            job-wide failure restarts
     ctl/closed                {"ok", "reason"}        the job is over for everyone
+    ctl/cause/N               {"node", ...}           round N's root cause (etcd_health)
+    health/<node>             {"failures", ...}       a node's failure record (etcd_health)
     nodes/N/join/<node>       lease-bound             joined round N (address, local world size)
     nodes/N/wait/<node>       lease-bound             arrived after round N completed; wants in
     nodes/N/done/<node>       not lease-bound         finished its workers (exit barrier)
@@ -46,6 +48,7 @@ from supervisor.rendezvous.decode import (
     shown,
 )
 from supervisor.rendezvous.etcd_client import JsonDict, KeyValue, compare, delete_op, put_op
+from supervisor.rendezvous.etcd_health import cause_key, lost_reason
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -69,6 +72,10 @@ class Keys:
 
     def master(self, n: int) -> str:
         return f"{self.ctl}master/{n}"
+
+    def cause(self, n: int) -> str:
+        """``ctl/cause/N``: round N's root cause (``etcd_health``)."""
+        return cause_key(self.prefix, n)
 
     def node(self, n: int, kind: str, node: str = "") -> str:
         """``nodes/n/kind/node``; with ``node`` "" the prefix of every node's key."""
@@ -107,6 +114,10 @@ class State:
 
     def kv(self, key: str) -> KeyValue | None:
         return self._kvs.get(key)
+
+    @property
+    def kvs(self) -> Mapping[str, KeyValue]:
+        return self._kvs
 
     def _value(self, kind: str, key: str, expect: type[S]) -> S | None:
         """The decoded value of ``key`` (None: absent, or ignored); once per state: a
@@ -262,7 +273,8 @@ def decide(state: State, policy: Policy, now: float, *, min_since: float | None,
     if lost:
         if now < grace_until:
             return Wait(grace_until)
-        return Advance(n, f"node(s) lost: {', '.join(lost)}")
+        return Advance(n, lost_reason(state.kvs, state.keys.prefix, lost,
+                                      list(state.nodes(n, "wait"))))
     waiting = state.nodes(n, "wait")
     # Once a node finished, the job is ending: do not restart it for a newcomer.
     if waiting and not done and len(members) < policy.max_nodes:
@@ -310,7 +322,7 @@ def advance_txn(state: State, reason: str, node: str) -> Txn:
                                           "node": node}))]
     if n >= 1:
         ops += [delete_op(keys.result(n - 1)), delete_op(keys.master(n - 1)),
-                delete_op(keys.node(n - 1, ""), prefix=True)]
+                delete_op(keys.cause(n - 1)), delete_op(keys.node(n - 1, ""), prefix=True)]
     return round_guard(state), ops
 
 

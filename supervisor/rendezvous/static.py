@@ -11,7 +11,15 @@ from __future__ import annotations
 import anyio
 from anyio.abc import TaskStatus
 
-from supervisor.rendezvous.base import BarrierResult, Capabilities, RendezvousResult, free_port
+from supervisor.core.nodehealth import Limits
+from supervisor.rendezvous.base import (
+    BarrierResult,
+    Capabilities,
+    NodeLedger,
+    RendezvousResult,
+    free_port,
+)
+from supervisor.rendezvous.local_health import LocalNodeLedger
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -93,4 +101,10 @@ class StaticRendezvous:
         return None
 
     async def aclose(self) -> None:
+        return None
+
+    def node_ledger(self, limits: Limits) -> NodeLedger:
+        return LocalNodeLedger(limits)
+
+    async def serve_until_job_ends(self) -> None:
         return None

@@ -25,6 +25,7 @@ import anyio
 import msgspec
 
 from supervisor.core.goodput import Ledger, totals
+from supervisor.core.nodehealth import NodeRecord
 from supervisor.core.snapshot import Snapshot
 from supervisor.rendezvous.decode import Summary, decode, printable
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
@@ -51,12 +52,16 @@ def node_summary(
 ) -> dict[str, Any]:
     """The summary of one node: nothing in it changes unless the node's state does."""
     failure = snapshot.last_failure
+    health = snapshot.node_health or {}
     return {
         "node_id": node_id,
         # a node waiting to join has no rank yet
         "node_rank": snapshot.rendezvous.group_rank if snapshot.rendezvous.members else None,
         "host": host,
-        "state": snapshot.phase,
+        # a spare waits in the rendezvous phase: say what it is
+        "state": "spare" if health.get("spare") else snapshot.phase,
+        "health": ({"state": health.get("state"), "reason": str(health.get("reason") or "")[:300]}
+                   if health else None),
         "attempt": snapshot.attempt,
         "restarts": snapshot.restart_count,
         "max_restarts": snapshot.max_restarts,
@@ -184,8 +189,23 @@ async def read_job(client: EtcdClient, run_id: str) -> tuple[list[dict[str, Any]
             skipped += 1
             continue
         rows.append(msgspec.to_builtins(row))
+    # a quarantined node's summary went with its lease: its record gives its row
+    shown = {str(r.get("node_id")) for r in rows}
+    rows += [{"node_id": r.node, "node_rank": None, "host": "-", "state": "quarantined",
+              "last_failure": r.quarantined.reason[:300]}
+             for r in await _quarantined(client, run_id)
+             if r.quarantined is not None and r.node not in shown and r.member not in shown]
     rows.sort(key=lambda d: (_int(d.get("node_rank")), str(d.get("node_id"))))
     return rows, skipped
+
+
+async def _quarantined(client: EtcdClient, run_id: str) -> list[NodeRecord]:
+    from supervisor.rendezvous.etcd_health import health_prefix, records_of
+    from supervisor.rendezvous.etcd_state import Keys
+
+    prefix = Keys(run_id).prefix
+    found = await client.range(health_prefix(prefix), prefix=True)
+    return records_of(list(found.kvs), prefix)
 
 
 def _int(value: object) -> int:

@@ -17,10 +17,10 @@ from supervisor.rendezvous.etcd_client import (
     TlsFiles,
     compare,
     delete_op,
-    open_prefix_view,
     put_op,
     range_op,
 )
+from supervisor.rendezvous.etcd_watch import open_prefix_view
 from tests.support.etcd import EtcdFactory, EtcdMember, make_tls_material
 from tests.support.ports import free_port
 

@@ -162,7 +162,6 @@ BOTH_UNITS = pytest.mark.parametrize(
         ("Service", "NotifyAccess", "main"),
         ("Service", "KillMode", "mixed"),
         ("Service", "Restart", "on-failure"),
-        ("Service", "RestartPreventExitStatus", "2"),
         ("Service", "SuccessExitStatus", "143"),
         ("Service", "ExecReload", "/bin/kill -HUP $MAINPID"),
         ("Service", "LimitMEMLOCK", "infinity"),
@@ -171,6 +170,11 @@ BOTH_UNITS = pytest.mark.parametrize(
 )
 def test_unit_sets(unit: str, section: str, key: str, value: str) -> None:
     assert read_unit(unit)[(section, key)] == [value]
+
+
+@BOTH_UNITS
+def test_unit_does_not_restart_after_a_config_error_or_a_quarantine(unit: str) -> None:
+    assert read_unit(unit)[("Service", "RestartPreventExitStatus")] == ["2", "200"]
 
 
 @BOTH_UNITS

@@ -29,23 +29,25 @@ EVENTS: dict[str, sm.Event] = {
     "GroupStopped": sm.GroupStopped(1.0),
     "BackoffElapsed": sm.BackoffElapsed(),
     "BarrierDone": sm.BarrierDone(),
+    "NodeQuarantined": sm.NodeQuarantined("node check failed", 1.0),
 }
 NAMES = list(EVENTS)
 
 # columns in the order of NAMES
 TABLE: dict[sm.Phase, list[sm.Verdict]] = {
-    #                 RdvC RdvF LnchF Lnchd Ex0 Ex1 NoSt Dead Unh Rem Memb Shut Stop Back Barr
-    sm.Phase.RENDEZVOUS: [E, E, X, X, X, X, X, X, X, E, E, E, X, X, X],
-    sm.Phase.STARTING: [X, X, E, E, X, X, X, X, X, X, X, E, X, X, X],
-    sm.Phase.RUNNING: [X, X, X, X, E, E, E, E, E, E, E, E, X, X, X],
+    #                 RdvC RdvF LnchF Lnchd Ex0 Ex1 NoSt Dead Unh Rem Memb Shut Stop Back Barr Quar
+    sm.Phase.RENDEZVOUS: [E, E, X, X, X, X, X, X, X, E, E, E, X, X, X, E],
+    sm.Phase.STARTING: [X, X, E, E, X, X, X, X, X, X, X, E, X, X, X, X],
+    sm.Phase.RUNNING: [X, X, X, X, E, E, E, E, E, E, E, E, X, X, X, E],
     # a shutdown request queued before the launch's report meets it here: LnchF, Lnchd
-    sm.Phase.STOPPING: [X, X, E, E, E, E, E, E, E, E, E, E, E, X, X],
-    sm.Phase.BACKOFF: [X, X, X, X, X, X, X, E, E, E, E, E, X, E, X],
-    sm.Phase.EXIT_BARRIER: [X, X, X, X, X, X, X, E, E, E, E, E, X, X, E],
+    sm.Phase.STOPPING: [X, X, E, E, E, E, E, E, E, E, E, E, E, X, X, E],
+    sm.Phase.BACKOFF: [X, X, X, X, X, X, X, E, E, E, E, E, X, E, X, E],
+    sm.Phase.EXIT_BARRIER: [X, X, X, X, X, X, X, E, E, E, E, E, X, X, E, E],
     # final: late events are recorded only
     sm.Phase.SUCCEEDED: [E] * len(NAMES),
     sm.Phase.FAILED: [E] * len(NAMES),
     sm.Phase.STOPPED: [E] * len(NAMES),
+    sm.Phase.QUARANTINED: [E] * len(NAMES),
 }
 
 

@@ -1,0 +1,190 @@
+"""The cut-off check at the edge: ask the round's peers whether they reach etcd.
+
+The rule is ``supervisor.core.partition.judge``; this module does its I/O. While etcd
+answers, it remembers the health URLs of up to ``PEERS`` peers of the node's current round
+(from their status summaries, ``summary.summary_prefix``: one read of a few keys per
+round). While etcd does not answer, it asks those peers' ``/status`` every
+``PROBE_INTERVAL`` (each request bounded by ``PROBE_TIMEOUT``) and tells its owner once the
+rule says this node is cut off (``on_cut_off(reason)``). No new coordination service: the
+peers' health endpoints, which exist anyway, are the witnesses.
+"""
+
+from __future__ import annotations
+
+import supervisor.lean  # noqa: F401  -- before the first aiohttp import
+
+# isort: split
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import aiohttp
+import anyio
+
+from supervisor.core.partition import (
+    Cutoff,
+    PeerReport,
+    Verdict,
+    judge,
+    parse_peer_status,
+    peers_to_ask,
+)
+from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
+from supervisor.rendezvous.summary import summary_prefix
+
+logger = logging.getLogger(__name__)
+
+PEERS = 3  # peers asked: enough witnesses, O(1) work per node whatever the job's size
+PROBE_INTERVAL = 1.0  # seconds between two rounds of questions during an outage
+PROBE_TIMEOUT = 1.0  # a peer's health endpoint answers in milliseconds when it is up
+MAX_STATUS = 64 * 1024  # bytes read of a peer's /status at most
+RELEARN_INTERVAL = 2.0  # seconds before reading a missing peer summary again
+
+
+class CutoffCheck:
+    """Decides, during an etcd outage, whether this node is the one cut off.
+
+    ``last_refresh_sent`` gives when the last lease refresh that etcd answered was sent
+    (``LeaseKeeper.last_refresh_sent``); ``on_cut_off`` is called once per outage when the
+    rule says stop."""
+
+    def __init__(self, client: EtcdClient, run_id: str, node_id: str, *, ttl: float,
+                 last_refresh_sent: Callable[[], float],
+                 on_cut_off: Callable[[str], None]) -> None:
+        self._client = client
+        self._run_id = run_id
+        self._node_id = node_id
+        self._ttl = ttl
+        self._last_refresh_sent = last_refresh_sent
+        self._on_cut_off = on_cut_off
+        self._round = -1
+        self._members: tuple[str, ...] = ()
+        self._urls: dict[str, str] = {}  # peer node id -> health URL
+        self._in_outage = False
+        self._version = 0  # bumped on every change of round or reachability
+        self._wake = anyio.Event()
+        self.last_verdict: Verdict | None = None
+
+    def round_started(self, round_: int, members: Sequence[str]) -> None:
+        """This node runs round ``round_`` with ``members`` (group-rank order)."""
+        self._round, self._members = round_, tuple(members)
+        self._poke()
+
+    def round_ended(self) -> None:
+        """This node left its round (it joins the next one): nothing to guard."""
+        self._round = -1
+        self._poke()
+
+    def outage_began(self) -> None:
+        self._in_outage = True
+        self._poke()
+
+    def outage_ended(self) -> None:
+        self._in_outage = False
+        self._poke()
+
+    def _poke(self) -> None:
+        self._version += 1
+        self._wake.set()
+        self._wake = anyio.Event()
+
+    async def _wait_change(self, seen: int) -> None:
+        while self._version == seen:
+            await self._wake.wait()
+
+    async def run(self) -> None:
+        """Forever: learn the peers' URLs for each round; during outages, ask them."""
+        while True:
+            seen, complete = self._version, True
+            if self._round >= 0 and not self._in_outage:
+                complete = await self.learn_peers()
+            if self._round >= 0 and self._in_outage:
+                await self._ask_until_decided()
+            # a peer that has not published its summary yet: read again a bit later
+            with anyio.move_on_after(math.inf if complete else RELEARN_INTERVAL):
+                await self._wait_change(seen)
+
+    async def learn_peers(self) -> bool:
+        """Read the health URLs of the peers this node would ask (best effort); whether
+        every one is known. Called once more before the round's workers start, so that a
+        cut right after the start finds them known."""
+        wanted = [p for p in peers_to_ask(self._members, self._node_id, PEERS)
+                  if p not in self._urls]
+        prefix = summary_prefix(self._run_id)
+        for peer in wanted:
+            try:
+                with anyio.fail_after(self._client.timeout):
+                    kv = await self._client.get(prefix + peer)
+            except (EtcdError, TimeoutError) as exc:
+                logger.debug("cannot read %s's status summary: %s", peer, exc)
+                return False
+            url = _health_url(kv.value if kv is not None else b"")
+            if url is None:
+                logger.debug("no health URL for %s yet", peer)
+                return False
+            self._urls[peer] = url
+        if wanted:
+            logger.info("cut-off check: round %d, the peers to ask are %s", self._round,
+                        ", ".join(f"{p} at {self._urls[p]}" for p in wanted))
+        return True
+
+    async def _ask_until_decided(self) -> None:
+        round_ = self._round
+        peers = peers_to_ask(self._members, self._node_id, PEERS)
+        async with aiohttp.ClientSession() as session:
+            while self._in_outage and self._round == round_:
+                seen = self._version
+                reports = await self._ask(session, peers)
+                verdict = judge(my_round=round_, last_refresh_sent=self._last_refresh_sent(),
+                                now=time.monotonic(), ttl=self._ttl,
+                                max_rtt=self._client.timeout, reports=reports)
+                last = self.last_verdict
+                if last is None or verdict.action is not last.action:
+                    logger.info("etcd unreachable; cut-off check: %s (%s)",
+                                verdict.action.value, verdict.reason)
+                self.last_verdict = verdict
+                if verdict.action is Cutoff.STOP:
+                    self._on_cut_off(verdict.reason)
+                    return
+                with anyio.move_on_after(PROBE_INTERVAL):
+                    await self._wait_change(seen)
+
+    async def _ask(self, session: aiohttp.ClientSession, peers: list[str]
+                   ) -> list[PeerReport]:
+        reports: dict[str, PeerReport] = {}
+
+        async def ask(peer: str) -> None:
+            reports[peer] = await self._ask_one(session, peer)
+
+        async with anyio.create_task_group() as tg:
+            for peer in peers:
+                tg.start_soon(ask, peer)
+        return [reports[p] for p in peers]
+
+    async def _ask_one(self, session: aiohttp.ClientSession, peer: str) -> PeerReport:
+        url = self._urls.get(peer)
+        if url is None:
+            return PeerReport(peer, answered=False)
+        try:
+            with anyio.fail_after(PROBE_TIMEOUT):
+                async with session.get(url + "/status") as resp:
+                    body = await resp.content.read(MAX_STATUS)
+            doc = json.loads(body)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            logger.debug("peer %s at %s did not answer: %s", peer, url, exc)
+            return PeerReport(peer, answered=False)
+        return parse_peer_status(peer, doc, self._run_id)
+
+
+def _health_url(value: bytes) -> str | None:
+    """The ``health_url`` of a status summary, if it is a plain http(s) URL."""
+    try:
+        doc = json.loads(value)
+    except ValueError:
+        return None
+    url = doc.get("health_url") if isinstance(doc, dict) else None
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        return None
+    return url.rstrip("/")

@@ -1,0 +1,370 @@
+"""Network-fault scenarios: an etcd-backed job whose nodes and etcd members live in their
+own network namespaces (``tests.support.netlab``), faults made on the bridge, figures read from
+each node's event log (monotonic times, one clock for every namespace of the machine).
+
+Shared by ``tests/e2e/test_network_faults.py`` (short cases, in CI) and
+``benchmarks/netfaults.py`` (long cases, by explicit command). Every scenario returns a
+dict of figures; the caller asserts or tabulates them. ``code`` is the source tree the
+supervisors run from (``PYTHONPATH``), so the same scenario measures another checkout
+(the "before" column of docs/reliability.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.support.netlab import Host, NetLab
+from tests.support.paths import FAKE_WORKER, REPO
+
+CLIENT_PORT, PEER_PORT, HEALTH_PORT = 2379, 2380, 8080  # inside the lab's namespaces only
+POLL = 0.05  # seconds between two reads of the event logs while waiting on them
+
+
+class ScenarioError(AssertionError):
+    """A scenario did not reach a state it waits for."""
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float) -> Any:
+    """``check()``'s first truthy value, reading files until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise ScenarioError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(POLL)
+
+
+@dataclass
+class Etcd:
+    """One etcd member in its namespace."""
+
+    host: Host
+    name: str
+    data: Path
+    cluster: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host.addr}:{CLIENT_PORT}"
+
+    def command(self, state: str) -> list[str]:
+        peer = f"http://{self.host.addr}:{PEER_PORT}"
+        return ["etcd", "--name", self.name, "--data-dir", str(self.data),
+                "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", self.cluster, "--initial-cluster-state", state,
+                "--heartbeat-interval", "50", "--election-timeout", "500"]
+
+
+@dataclass
+class Node:
+    """One supervisor in its namespace."""
+
+    host: Host
+    log_dir: Path
+    run_id: str
+    proc: subprocess.Popen[bytes]
+
+    def events(self, kind: str | None = None) -> list[dict[str, Any]]:
+        path = self.log_dir / self.run_id / "events.jsonl"
+        try:
+            lines = path.read_text().splitlines()
+        except FileNotFoundError:
+            return []
+        found = []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if kind is None or record.get("event") == kind:
+                found.append(record)
+        return found
+
+    def first(self, kind: str, after: float, where: Callable[[dict[str, Any]], bool]
+              = lambda e: True) -> float | None:
+        times = [float(e["mono"]) for e in self.events(kind)
+                 if float(e["mono"]) > after and where(e)]
+        return min(times) if times else None
+
+    def group_started(self, after: float, world: int | None = None) -> float | None:
+        """The first group started after ``after`` (in a round of ``world`` nodes)."""
+        return self.first("group_started", after,
+                          lambda e: world is None or self._world_of(e) == world)
+
+    def _world_of(self, started: dict[str, Any]) -> int:
+        rounds = [e for e in self.events("rendezvous") if float(e["mono"]) <= started["mono"]]
+        return int(rounds[-1].get("group_world_size", 0)) if rounds else 0
+
+    def pids(self) -> set[int]:
+        started = self.events("group_started")
+        return {int(p) for p in started[-1]["pids"].values()} if started else set()
+
+
+@dataclass
+class Job:
+    """The lab, the etcd members and the nodes of one scenario."""
+
+    lab: NetLab
+    root: Path
+    code: Path
+    ttl: int
+    members: list[Etcd] = field(default_factory=list)
+    nodes: dict[str, Node] = field(default_factory=dict)
+    run_id: str = field(default_factory=lambda: f"net-{uuid.uuid4().hex[:8]}")
+
+    def start_etcd(self, count: int = 1) -> list[Etcd]:
+        hosts = [self.lab.host(f"e{i}") for i in range(count)]
+        cluster = ",".join(f"e{i}=http://{h.addr}:{PEER_PORT}" for i, h in enumerate(hosts))
+        self.members = [Etcd(h, f"e{i}", self.root / f"etcd{i}", cluster)
+                        for i, h in enumerate(hosts)]
+        for member in self.members:
+            self._run_etcd(member, "new")
+        for member in self.members:
+            self.wait_etcd_healthy(member)
+        return self.members
+
+    def _run_etcd(self, member: Etcd, state: str) -> None:
+        log = open(self.root / f"{member.name}.log", "ab")  # noqa: SIM115 -- the child owns it
+        member.proc = self.lab.spawn(member.host, member.command(state), stdout=log,
+                                     stderr=subprocess.STDOUT)
+        log.close()
+
+    def wait_etcd_healthy(self, member: Etcd, timeout: float = 20) -> None:
+        url = f"{member.endpoint}/health"
+        probe = ("import sys, urllib.request\n"
+                 "try:\n"
+                 f"    body = urllib.request.urlopen('{url}', timeout=1).read()\n"
+                 "except Exception:\n    sys.exit(1)\n"
+                 "sys.exit(0 if b'true' in body else 1)\n")
+
+        def healthy() -> bool:
+            return subprocess.run(["ip", "netns", "exec", member.host.ns, sys.executable, "-c",
+                                   probe], capture_output=True).returncode == 0
+        wait_for(f"etcd {member.name} healthy", healthy, timeout)
+
+    def restart_etcd(self, member: Etcd) -> None:
+        """SIGKILL the member and start it again on its data (its clients' connections die
+        on etcd's side only)."""
+        assert member.proc is not None
+        member.proc.kill()
+        member.proc.wait()
+        self._run_etcd(member, "existing")
+
+    def start_node(self, label: str, *, nnodes: str = "2:3", conf: str = "") -> Node:
+        host = self.lab.host(label)
+        log_dir = self.root / label
+        endpoints = ",".join(m.endpoint for m in self.members)
+        rdzv_conf = f"lease_ttl={self.ttl},last_call_timeout=1,join_timeout=300"
+        argv = [sys.executable, "-m", "supervisor", "run", "--rdzv-backend", "etcd",
+                "--rdzv-endpoint", endpoints, "--rdzv-id", self.run_id, "--nnodes", nnodes,
+                "--nproc-per-node", "1", "--rdzv-conf", rdzv_conf + (f",{conf}" if conf else ""),
+                "--local-addr", host.addr, "--health-host", host.addr,
+                "--health-port", str(HEALTH_PORT), "--log-dir", str(log_dir),
+                "--shutdown-timeout", "5", FAKE_WORKER, "--hang"]
+        env = {**os.environ, "PYTHONPATH": str(self.code)}
+        err = open(self.root / f"{label}.stderr", "ab")  # noqa: SIM115 -- the child owns it
+        proc = self.lab.spawn(host, argv, cwd=str(self.code), env=env,
+                              stdout=subprocess.DEVNULL, stderr=err)
+        err.close()
+        node = Node(host, log_dir, self.run_id, proc)
+        self.nodes[label] = node
+        return node
+
+    def wait_group(self, nodes: Sequence[Node], world: int, after: float = 0.0,
+                   timeout: float = 60) -> float:
+        """Until every node runs a group of ``world`` nodes started after ``after``; the
+        latest start."""
+        def started() -> float | None:
+            times = [n.group_started(after, world) for n in nodes]
+            return max(times) if all(t is not None for t in times) else None  # type: ignore[type-var]
+        return float(wait_for(f"a {world}-node group on {[n.host.label for n in nodes]}",
+                              started, timeout))
+
+    def cut_from_etcd(self, node: Node) -> None:
+        for member in self.members:
+            self.lab.cut(node.host, member.host)
+
+    def heal_from_etcd(self, node: Node) -> None:
+        for member in self.members:
+            self.lab.heal(node.host, member.host)
+
+    def isolate(self, member: Etcd) -> None:
+        for host in self.lab.hosts.values():
+            if host is not member.host and not host.label.startswith("sw"):
+                self.lab.cut(member.host, host)
+
+    def stop(self) -> None:
+        for node in self.nodes.values():
+            if node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGTERM)
+        for node in self.nodes.values():
+            try:
+                node.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+
+
+@contextmanager
+def job(*, ttl: int, code: Path = REPO, keep: Path | None = None) -> Iterator[Job]:
+    """A lab and a job on it; everything is removed on exit, also on failure."""
+    with tempfile.TemporaryDirectory(prefix="netjob-") as tmp, NetLab() as lab:
+        root = keep or Path(tmp)
+        root.mkdir(parents=True, exist_ok=True)
+        made = Job(lab, root, code, ttl)
+        try:
+            yield made
+        finally:
+            made.stop()
+
+
+# ------------------------------------------------------------------ scenarios
+
+
+def cut_node_from_etcd(*, ttl: int, cut: float, restart_etcd: bool = False,
+                       code: Path = REPO, keep: Path | None = None) -> dict[str, Any]:
+    """Nodes A, B, C and one etcd; C is cut from etcd (nft drops, no error at either end)
+    for ``cut`` seconds (etcd SIGKILLed and restarted in the middle with
+    ``restart_etcd``), then healed. Figures: when A and B re-formed without C, when C's old
+    group stopped, how long two groups ran at once, and when C ran again after the heal."""
+    with job(ttl=ttl, code=code, keep=keep) as j:
+        j.start_etcd(1)
+        a, b, c = (j.start_node(x) for x in "abc")
+        j.wait_group([a, b, c], 3)
+        old_c = c.pids()
+        cut_at = time.monotonic()
+        j.cut_from_etcd(c)
+        if restart_etcd:
+            wait_for("half the cut", lambda: time.monotonic() - cut_at >= cut / 2, cut)
+            j.restart_etcd(j.members[0])
+            j.wait_etcd_healthy(j.members[0])
+        wait_for("the end of the cut", lambda: time.monotonic() - cut_at >= cut, cut + 30)
+        reformed = [n.group_started(cut_at, 2) for n in (a, b)]
+        c_stopped = c.first("group_stopped", cut_at)
+        healed_at = time.monotonic()
+        j.heal_from_etcd(c)
+        rejoined = j.wait_group([a, b, c], 3, after=healed_at, timeout=max(60, 6 * ttl))
+        reform = max(t for t in reformed if t is not None) if all(reformed) else None
+        c_stopped = c_stopped or c.first("group_stopped", cut_at)
+        overlap_end = c_stopped if c_stopped is not None else rejoined
+        return {
+            "cut": cut, "ttl": ttl, "etcd_restarted": restart_etcd,
+            "survivors_reformed_after_cut": _rel(reform, cut_at),
+            "c_stopped_after_cut": _rel(c_stopped, cut_at),
+            "two_groups_for": None if reform is None else max(0.0, overlap_end - reform),
+            "rejoined_after_heal": rejoined - healed_at,
+            "c_pids_changed": c.pids() != old_c,
+        }
+
+
+def isolated_member(*, ttl: int, settle: float, code: Path = REPO,
+                    keep: Path | None = None) -> dict[str, Any]:
+    """A 3-member etcd (each member in its own namespace) and nodes A, B, C whose first
+    endpoint is member e0. e0 is isolated at the bridge; after ``settle`` seconds node C
+    leaves (SIGTERM), then B is SIGKILLed, then node D arrives. Figures: how long each took
+    to be seen by the others."""
+    with job(ttl=ttl, code=code, keep=keep) as j:
+        j.start_etcd(3)
+        a, b, c = (j.start_node(x) for x in "abc")
+        j.wait_group([a, b, c], 3)
+        isolated_at = time.monotonic()
+        j.isolate(j.members[0])
+        wait_for("the settle time", lambda: time.monotonic() - isolated_at >= settle,
+                 settle + 5)
+        moved = [n.first("etcd_watch", isolated_at,
+                         lambda e: bool(e.get("live")) and e.get("endpoint") !=
+                         j.members[0].endpoint) for n in (a, b, c)]
+        left_at = time.monotonic()
+        c.proc.send_signal(signal.SIGTERM)
+        leave_seen = [wait_for("the leave seen", lambda n=n: n.first("membership_changed",
+                                                                    left_at), 60)
+                      for n in (a, b)]
+        j.wait_group([a, b], 2, after=left_at)
+        killed_at = time.monotonic()
+        b.proc.kill()
+        loss_seen = wait_for("the loss seen", lambda: a.first("membership_changed", killed_at),
+                             max(60, 6 * ttl))
+        joined_at = time.monotonic()
+        d = j.start_node("d")
+        j.wait_group([a, d], 2, after=joined_at, timeout=60)
+        wait_ready = d.first("rendezvous", joined_at)
+        return {
+            "ttl": ttl, "settle": settle,
+            "watches_moved_after_isolation": [_rel(t, isolated_at) for t in moved],
+            "leave_seen_after": max(leave_seen) - left_at,
+            "loss_seen_after": loss_seen - killed_at,
+            "scale_up_round_after": _rel(wait_ready, joined_at),
+        }
+
+
+def etcd_down_for_everyone(*, ttl: int, outage: float, code: Path = REPO,
+                           keep: Path | None = None) -> dict[str, Any]:
+    """Nodes A, B, C and one etcd whose link goes down for ``outage`` seconds: every node
+    loses etcd, the peers answer and say so. Figures: worker pids kept, restarts."""
+    with job(ttl=ttl, code=code, keep=keep) as j:
+        j.start_etcd(1)
+        nodes = [j.start_node(x) for x in "abc"]
+        j.wait_group(nodes, 3)
+        before = [n.pids() for n in nodes]
+        down_at = time.monotonic()
+        j.lab.link_down(j.members[0].host)
+        wait_for("the end of the outage", lambda: time.monotonic() - down_at >= outage,
+                 outage + 5)
+        j.lab.link_up(j.members[0].host)
+        up_at = time.monotonic()
+        wait_for("etcd reachable on every node",
+                 lambda: all(n.first("etcd_reachable", up_at - 0.5) for n in nodes), 30)
+        settle = time.monotonic()
+        wait_for("one TTL after", lambda: time.monotonic() - settle >= ttl + 1, ttl + 5)
+        return {
+            "ttl": ttl, "outage": outage,
+            "same_pids": [n.pids() for n in nodes] == before,
+            "group_stops": sum(1 for n in nodes for _ in n.events("group_stopped")),
+            "cut_off_verdicts": sum(1 for n in nodes for _ in n.events("etcd_cut_off")),
+        }
+
+
+def lossy_links(*, ttl: int, percent: int, seconds: float, code: Path = REPO,
+                keep: Path | None = None) -> dict[str, Any]:
+    """Nodes A, B, C and one etcd; ``percent`` % of the frames between every node and etcd
+    are dropped at random from the start (nftables ``numgen``; no netem here). Figures:
+    how long the job took to form, and the spurious stops and watch moves meanwhile."""
+    with job(ttl=ttl, code=code, keep=keep) as j:
+        j.start_etcd(1)
+        nodes = []
+        started = time.monotonic()
+        for label in "abc":
+            node = j.start_node(label)
+            j.lab.lossy(node.host, j.members[0].host, percent)
+            nodes.append(node)
+        formed = j.wait_group(nodes, 3, timeout=120)
+        before = [n.pids() for n in nodes]
+        wait_for("the run", lambda: time.monotonic() - formed >= seconds, seconds + 5)
+        return {
+            "ttl": ttl, "loss_percent": percent, "seconds": seconds,
+            "formed_after": formed - started,
+            "same_pids": [n.pids() for n in nodes] == before,
+            "group_stops": sum(1 for n in nodes for _ in n.events("group_stopped")),
+            "watch_moves": sum(1 for n in nodes for e in n.events("etcd_watch")
+                               if not e.get("live")),
+            "outages": sum(1 for n in nodes for _ in n.events("etcd_unreachable")),
+        }
+
+
+def _rel(t: float | None, since: float) -> float | None:
+    return None if t is None else t - since

@@ -1,0 +1,219 @@
+"""A network of our own for fault tests: hosts in network namespaces on one bridge.
+
+``NetLab`` makes, for one run, a *switch* namespace holding a bridge and one namespace per
+host, each joined to the bridge by a veth pair, with an address in ``10.213.<n>.0/24``.
+Every namespace, interface and address is the lab's own: the root namespace is never
+touched, so traffic goes only between the lab's hosts, and two labs (other sessions'
+tests, or two runs at once) cannot collide even when they pick the same subnet. Names are
+``esnet-<pid hex>-<random>-<label>``: unique per run; ``sweep_stale()`` removes the
+namespaces of runs whose process is gone (a SIGKILLed test), and every lab removes its own
+on exit, also when the test fails (``with NetLab() as lab``; plus ``atexit``).
+
+Faults, all made inside the switch namespace so that neither end gets an error:
+``link_down``/``link_up`` (the host's bridge port), ``cut(a, b)``/``heal(a, b)`` (nftables
+in the bridge family drops every frame between two addresses, both ways), ``lossy(a, b,
+percent)`` (random drops, nftables ``numgen``). The kernel here has no ``sch_netem``
+(``tc qdisc add ... netem`` fails: "Specified qdisc kind is unknown"), so delay is not
+offered; random loss stands in for a bad link.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+PREFIX = "esnet"
+TABLE = "esnet"
+_NAME = re.compile(rf"^{PREFIX}-([0-9a-f]+)-[0-9a-f]+-")
+
+
+def unavailable() -> str | None:
+    """Why network namespaces cannot be used here (None: they can)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (run the tests as root, as .ci/run does)"
+    for tool, package in (("ip", "iproute2"), ("nft", "nftables")):
+        if shutil.which(tool) is None:
+            return f"{tool} is not on PATH; apt-get install {package} (.ci/run does)"
+    probe = f"{PREFIX}-probe-{os.getpid():x}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _in(ns: str, *argv: str, check: bool = True) -> str:
+    done = subprocess.run(["ip", "netns", "exec", ns, *argv], capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} in {ns}: {done.stderr.strip()}")
+    return done.stdout
+
+
+def namespaces() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def sweep_stale() -> list[str]:
+    """Delete the namespaces of labs whose process is gone; the names deleted."""
+    removed = []
+    for ns in namespaces():
+        match = _NAME.match(ns)
+        if match is None:
+            continue
+        pid = int(match[1], 16)
+        try:
+            os.kill(pid, 0)
+            continue  # its run is alive: not ours to touch
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        removed.append(ns)
+    return removed
+
+
+@dataclass(frozen=True)
+class Host:
+    """One namespace on the bridge."""
+
+    label: str
+    ns: str
+    addr: str
+    port: str  # its bridge port (in the switch namespace)
+
+
+@dataclass
+class NetLab:
+    """The switch, the hosts and the processes of one run (see the module docstring)."""
+
+    subnet: int = field(default_factory=lambda: random.randrange(1, 255))
+    token: str = field(default_factory=lambda: f"{os.getpid():x}-{random.getrandbits(24):06x}")
+    hosts: dict[str, Host] = field(default_factory=dict)
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    _made: list[str] = field(default_factory=list)
+    _loss: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.switch = f"{PREFIX}-{self.token}-sw"
+
+    def __enter__(self) -> NetLab:
+        sweep_stale()
+        atexit.register(self.close)
+        try:
+            self._make_switch()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _make_switch(self) -> None:
+        _ip("netns", "add", self.switch)
+        self._made.append(self.switch)
+        _ip("-n", self.switch, "link", "set", "lo", "up")
+        _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.switch, "link", "set", "br0", "up")
+        rules = (f"table bridge {TABLE} {{\n"
+                 "  set cut { type ipv4_addr . ipv4_addr; }\n"
+                 "  chain passing { type filter hook forward priority 0; policy accept;\n"
+                 "    ip saddr . ip daddr @cut drop\n  }\n}\n")
+        done = subprocess.run(["ip", "netns", "exec", self.switch, "nft", "-f", "-"],
+                              input=rules, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"nft in {self.switch}: {done.stderr.strip()}")
+
+    def host(self, label: str) -> Host:
+        """A new namespace on the bridge with the next address."""
+        ns = f"{PREFIX}-{self.token}-{label}"
+        addr = f"10.213.{self.subnet}.{len(self.hosts) + 10}"
+        port = f"p{len(self.hosts)}"
+        _ip("netns", "add", ns)
+        self._made.append(ns)
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", self.switch, "link", "add", port, "type", "veth", "peer", "name", "eth0",
+            "netns", ns)
+        _ip("-n", self.switch, "link", "set", port, "master", "br0", "up")
+        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        host = Host(label, ns, addr, port)
+        self.hosts[label] = host
+        return host
+
+    def spawn(self, host: Host, argv: Sequence[str], **popen: object
+              ) -> subprocess.Popen[bytes]:
+        """Start ``argv`` inside ``host``'s namespace (``ip netns exec`` execs it: the pid is
+        the program's own). Killed by ``close``."""
+        proc: subprocess.Popen[bytes] = subprocess.Popen(
+            ["ip", "netns", "exec", host.ns, *argv], **popen)  # type: ignore[call-overload]
+        self.procs.append(proc)
+        return proc
+
+    # faults
+
+    def link_down(self, host: Host) -> None:
+        _ip("-n", self.switch, "link", "set", host.port, "down")
+
+    def link_up(self, host: Host) -> None:
+        _ip("-n", self.switch, "link", "set", host.port, "up")
+
+    def _elements(self, a: Host, b: Host) -> str:
+        return f"{{ {a.addr} . {b.addr}, {b.addr} . {a.addr} }}"
+
+    def cut(self, a: Host, b: Host) -> None:
+        """Drop every frame between ``a`` and ``b`` (both ways), silently."""
+        _in(self.switch, "nft", "add", "element", "bridge", TABLE, "cut", self._elements(a, b))
+
+    def heal(self, a: Host, b: Host) -> None:
+        _in(self.switch, "nft", "delete", "element", "bridge", TABLE, "cut",
+            self._elements(a, b))
+
+    def lossy(self, a: Host, b: Host, percent: int) -> None:
+        """Drop ``percent`` % of the frames between ``a`` and ``b``, at random."""
+        handles = []
+        for src, dst in ((a, b), (b, a)):
+            out = _in(self.switch, "nft", "--echo", "--handle", "add", "rule", "bridge", TABLE,
+                      "passing", "ip", "saddr", src.addr, "ip", "daddr", dst.addr, "numgen",
+                      "random", "mod", "100", "<", str(percent), "drop")
+            found = re.search(r"# handle (\d+)", out)
+            if found:
+                handles.append(found[1])
+        self._loss[(a.addr, b.addr)] = handles
+
+    def clear_loss(self, a: Host, b: Host) -> None:
+        for handle in self._loss.pop((a.addr, b.addr), []):
+            _in(self.switch, "nft", "delete", "rule", "bridge", TABLE, "passing", "handle", handle)
+
+    # the end
+
+    def close(self) -> None:
+        """Kill every process started here, then delete every namespace made here."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        self.procs.clear()
+        for ns in reversed(self._made):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._made.clear()
