@@ -166,7 +166,7 @@ def test_a_bare_command_prints_the_usage_and_exits_2() -> None:
     result = cli()
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("usage: elastic-supervisor")
-    assert "give a command (run, check-config, status)" in result.stderr
+    assert "give a command (run, check-config, status, node)" in result.stderr
     run = cli("run")
     assert run.returncode == 2
     assert run.stderr.startswith("usage: elastic-supervisor run [FLAGS] [--] SCRIPT")
