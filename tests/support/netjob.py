@@ -48,6 +48,21 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float) -> Any:
         time.sleep(POLL)
 
 
+_GET = ("import sys, urllib.request\n"
+        "try:\n"
+        "    body = urllib.request.urlopen(sys.argv[1], timeout=1).read()\n"
+        "except Exception:\n    sys.exit(1)\n"
+        "sys.stdout.buffer.write(body)\n")
+
+
+def http_get(host: Host, url: str) -> bytes | None:
+    """``url``'s body fetched from inside ``host``'s namespace (the lab's addresses are
+    reachable only there), None if it does not answer in 1 s."""
+    done = subprocess.run(["ip", "netns", "exec", host.ns, sys.executable, "-c", _GET, url],
+                          capture_output=True)
+    return done.stdout if done.returncode == 0 else None
+
+
 @dataclass
 class Etcd:
     """One etcd member in its namespace."""
@@ -115,6 +130,11 @@ class Node:
         started = self.events("group_started")
         return {int(p) for p in started[-1]["pids"].values()} if started else set()
 
+    def status(self) -> dict[str, Any] | None:
+        """Its ``/status`` (None if it does not answer)."""
+        body = http_get(self.host, f"http://{self.host.addr}:{HEALTH_PORT}/status")
+        return None if body is None else dict(json.loads(body))
+
 
 @dataclass
 class Job:
@@ -147,16 +167,8 @@ class Job:
 
     def wait_etcd_healthy(self, member: Etcd, timeout: float = 20) -> None:
         url = f"{member.endpoint}/health"
-        probe = ("import sys, urllib.request\n"
-                 "try:\n"
-                 f"    body = urllib.request.urlopen('{url}', timeout=1).read()\n"
-                 "except Exception:\n    sys.exit(1)\n"
-                 "sys.exit(0 if b'true' in body else 1)\n")
-
-        def healthy() -> bool:
-            return subprocess.run(["ip", "netns", "exec", member.host.ns, sys.executable, "-c",
-                                   probe], capture_output=True).returncode == 0
-        wait_for(f"etcd {member.name} healthy", healthy, timeout)
+        wait_for(f"etcd {member.name} healthy",
+                 lambda: b"true" in (http_get(member.host, url) or b""), timeout)
 
     def restart_etcd(self, member: Etcd) -> None:
         """SIGKILL the member and start it again on its data (its clients' connections die
@@ -166,8 +178,11 @@ class Job:
         member.proc.wait()
         self._run_etcd(member, "existing")
 
-    def start_node(self, label: str, *, nnodes: str = "2:3", conf: str = "") -> Node:
-        host = self.lab.host(label)
+    def start_node(self, label: str, *, nnodes: str = "2:3", conf: str = "",
+                   flags: Sequence[str] = (), host: Host | None = None) -> Node:
+        """A supervisor in a new namespace ``label``, or in ``host``'s again (a restart on
+        the same node: the same log dir and stderr file)."""
+        host = host or self.lab.host(label)
         log_dir = self.root / label
         endpoints = ",".join(m.endpoint for m in self.members)
         rdzv_conf = f"lease_ttl={self.ttl},last_call_timeout=1,join_timeout=300"
@@ -176,7 +191,7 @@ class Job:
                 "--nproc-per-node", "1", "--rdzv-conf", rdzv_conf + (f",{conf}" if conf else ""),
                 "--local-addr", host.addr, "--health-host", host.addr,
                 "--health-port", str(HEALTH_PORT), "--log-dir", str(log_dir),
-                "--shutdown-timeout", "5", FAKE_WORKER, "--hang"]
+                "--shutdown-timeout", "5", *flags, FAKE_WORKER, "--hang"]
         env = {**os.environ, "PYTHONPATH": str(self.code)}
         err = open(self.root / f"{label}.stderr", "ab")  # noqa: SIM115 -- the child owns it
         proc = self.lab.spawn(host, argv, cwd=str(self.code), env=env,
@@ -195,6 +210,18 @@ class Job:
             return max(times) if all(t is not None for t in times) else None  # type: ignore[type-var]
         return float(wait_for(f"a {world}-node group on {[n.host.label for n in nodes]}",
                               started, timeout))
+
+    def etcd_get(self, key: str) -> Any:
+        """The JSON value of the job's ``key`` (under its prefix), None if absent: read by
+        etcdctl inside the first member's namespace (etcd is reachable only there)."""
+        member = self.members[0]
+        done = subprocess.run(["ip", "netns", "exec", member.host.ns, "etcdctl",
+                               "--endpoints", member.endpoint, "get", "--print-value-only",
+                               f"/elastic-supervisor/{self.run_id}/{key}"],
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise ScenarioError(f"etcdctl get {key}: {done.stderr.strip()}")
+        return json.loads(done.stdout) if done.stdout.strip() else None
 
     def cut_from_etcd(self, node: Node) -> None:
         for member in self.members:
