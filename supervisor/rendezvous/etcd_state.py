@@ -225,7 +225,8 @@ class Wait:
 
 @dataclass(frozen=True)
 class Close:
-    """Close round ``n`` with these join keys (the earliest ``max_nodes`` joiners)."""
+    """Close round ``n`` with these join keys (at most ``max_nodes``: the previous round's
+    members first, then the earliest joiners)."""
 
     n: int
     chosen: tuple[KeyValue, ...]
@@ -286,12 +287,26 @@ def _joining(state: State, policy: Policy, n: int, joined: dict[str, KeyValue], 
              min_since: float | None) -> Decision:
     if len(joined) < policy.min_nodes:
         return Wait()
-    chosen = tuple(sorted(joined.values(), key=lambda kv: kv.create_revision))
-    close = Close(n, chosen[: policy.max_nodes])
-    if len(joined) >= policy.max_nodes or previous_round_rejoined(state, n, joined):
+    # The previous round's members keep their places: waiting nodes (spares) have no
+    # workers to stop and so join a new round first; taken by arrival alone, they would
+    # fill it and push out a healthy member that was still stopping its workers.
+    staying = staying_members(state, n)
+    chosen = sorted(joined.values(),
+                    key=lambda kv: (_node_of(kv.key) not in staying, kv.create_revision))
+    close = Close(n, tuple(chosen[: policy.max_nodes]))
+    full = len(joined) >= policy.max_nodes and staying <= set(joined)
+    if full or previous_round_rejoined(state, n, joined):
         return close
     last_call = (now if min_since is None else min_since) + policy.last_call_timeout
     return close if now >= last_call else Wait(last_call)
+
+
+def staying_members(state: State, n: int) -> set[str]:
+    """Members of round n-1 still alive (their join key of round n-1 is still there):
+    they are on their way into round n, and have the first claim on its places."""
+    if n == 0 or (members := state.members(n - 1)) is None:
+        return set()
+    return {m.node for m in members} & set(state.nodes(n - 1, "join"))
 
 
 def previous_round_rejoined(state: State, n: int, joined: Mapping[str, KeyValue]) -> bool:

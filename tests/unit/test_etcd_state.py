@@ -71,6 +71,30 @@ def test_round_closes_at_once_when_the_previous_round_rejoined() -> None:
     assert isinstance(decide(st, POLICY, 0.0, min_since=0.0, grace_until=0), Close)
 
 
+def chosen(decision: object) -> list[str]:
+    assert isinstance(decision, Close), decision
+    return [kv.key.rsplit("/", 1)[1] for kv in decision.chosen]
+
+
+def test_spares_that_join_first_do_not_take_the_places_of_the_members_still_stopping() -> None:
+    """Regression (issue 28, two spares, c lost): the spares d and e, with no workers to
+    stop, joined round 1 before member b; the round closed at max with d, e, a and b was
+    left out, waiting as a spare, while both spares trained."""
+    before = {0: ["a", "b"]}  # c's key of round 0 vanished: lost
+    st = state(1, join={**before, 1: ["d", "e", "a"]}, wait={0: ["d", "e"]},
+               result={0: ["a", "b", "c"]})
+    assert decide(st, POLICY, 1.0, min_since=1.0, grace_until=0) == Wait(6.0)
+    st = state(1, join={**before, 1: ["d", "e", "a", "b"]}, wait={0: ["d", "e"]},
+               result={0: ["a", "b", "c"]})
+    assert chosen(decide(st, POLICY, 1.0, min_since=1.0, grace_until=0)) == ["a", "b", "d"]
+
+
+def test_a_member_that_does_not_rejoin_by_the_last_call_loses_its_place() -> None:
+    st = state(1, join={0: ["a", "b"], 1: ["d", "e", "a"]}, wait={0: ["d", "e"]},
+               result={0: ["a", "b", "c"]})
+    assert sorted(chosen(decide(st, POLICY, 6.0, min_since=1.0, grace_until=0))) == ["a", "d", "e"]
+
+
 def test_lost_member_opens_a_new_round_after_the_grace() -> None:
     st = state(0, join={0: ["a"]}, result={0: ["a", "b"]})
     assert decide(st, POLICY, 1.0, min_since=None, grace_until=3.0) == Wait(3.0)
