@@ -16,8 +16,7 @@ from typing import Any
 import pytest
 
 from supervisor.rendezvous.etcd_cutoff import PROBE_INTERVAL, PROBE_TIMEOUT
-from tests.support import deps, netjob
-from tests.support.netlab import unavailable
+from tests.support import netjob
 
 TTL = 3
 CUT = 10.0
@@ -36,10 +35,7 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(240), pytest.mark.xdist_grou
 
 @pytest.fixture(autouse=True)
 def _netns() -> None:
-    reason = unavailable()
-    if reason is not None:
-        deps.missing(reason)
-    deps.need_binary("etcd")
+    netjob.need_lab()
 
 
 def check_cut(figures: dict[str, Any]) -> None:

@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from tests.support import deps, netspare
-from tests.support.netlab import unavailable
+from tests.support import netjob, netspare
 
 logger = logging.getLogger(__name__)
 
@@ -38,11 +37,7 @@ pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90), pytest.mark.xdist_group
 
 @pytest.fixture(autouse=True)
 def _netns() -> None:
-    reason = unavailable()
-    if reason is not None:
-        deps.missing(reason)
-    deps.need_binary("etcd")
-    deps.need_binary("etcdctl")
+    netjob.need_lab(etcdctl=True)
 
 
 def check_replaced(figures: dict[str, Any]) -> None:

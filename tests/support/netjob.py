@@ -25,11 +25,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.support.netlab import Host, NetLab
+from tests.support import deps
+from tests.support.netlab import Host, NetLab, unavailable
 from tests.support.paths import FAKE_WORKER, REPO
 
 CLIENT_PORT, PEER_PORT, HEALTH_PORT = 2379, 2380, 8080  # inside the lab's namespaces only
 POLL = 0.05  # seconds between two reads of the event logs while waiting on them
+
+
+ETCDCTL = "apt-get install etcd-client (.ci/run does)"
+
+
+def need_lab(*, etcdctl: bool = False) -> None:
+    """Skip with the reason (fail under ELASTIC_SUPERVISOR_REQUIRE_DEPS=1) where network
+    namespaces, etcd (or, when asked, etcdctl: ``Job.etcd_get``) are not available."""
+    reason = unavailable()
+    if reason is not None:
+        deps.missing(reason)
+    deps.need_binary("etcd")
+    if etcdctl:
+        deps.need_binary("etcdctl", ETCDCTL)
 
 
 class ScenarioError(AssertionError):
