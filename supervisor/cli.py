@@ -105,6 +105,9 @@ def _run_parser() -> argparse.ArgumentParser:
                "progressed, or after this (5 s)")
     _flag(p, "no-fork-server", action="store_const", const=True,
           help="with --preload: each standby imports for itself (no fork server)")
+    _flag(p, "fork-first-attempt", action="store_const", const=True,
+          help="with --preload: the first attempt also starts in interpreters forked "
+               "from the fork server, if it is ready when the rendezvous completes")
     _flag(p, "max-node-failures", type=int,
           help="a node that is the root cause of K failures in the window quarantines "
           "itself: exit 200 (default 0: off)")

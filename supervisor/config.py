@@ -89,6 +89,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     preload: list[str] = msgspec.field(default_factory=list)  # modules standbys import
     preload_after: float = 5.0  # standbys preload once every rank progressed, or after this
     no_fork_server: bool = False  # --preload: standbys import for themselves, not forked
+    # --preload: the first attempt starts in standbys forked while the rendezvous formed
+    # (a spare's first attempt always does: healing)
+    fork_first_attempt: bool = False
     # healing (core.nodehealth): a bad node takes itself out, a spare takes its place
     max_node_failures: int = 0  # root-cause failures in the window that quarantine (0: off)
     node_failure_window: float = 3600.0

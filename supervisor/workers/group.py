@@ -41,7 +41,7 @@ from supervisor.workers.spawn import (
     wait_exit,
 )
 from supervisor.workers.stop import stop_group
-from supervisor.workers.warm.pool import NullPool, Pool
+from supervisor.workers.warm.pool import NullPool, Pool, Preview
 
 logger = logging.getLogger(__name__)
 
@@ -172,10 +172,10 @@ class WorkerGroup:
         self.pool.launched(attempt)
         return attempt, failed_to_start
 
-    def preview(self) -> tuple[list[str], list[dict[str, str]]] | None:
-        """Rank 0's command and every rank's environment as the first attempt will have
-        them, before the rendezvous (its per-attempt values are placeholders: a standby
-        never starts with those); None if they cannot be told yet."""
+    def preview(self) -> Preview | None:
+        """Every rank's command, environment and CPUs as the first attempt will have them,
+        before the rendezvous (its per-attempt values are placeholders: a standby never
+        starts with those); None if they cannot be told yet."""
         layout = GroupLayout(
             run_id=self.run_id, role=self.settings.role,
             local_world_size=self.settings.local_world_size, group_rank=0,
@@ -186,10 +186,11 @@ class WorkerGroup:
         )
         place = self.log_root / self.run_id / "preview"  # never made: only a name
         try:
+            ranks = range(layout.local_world_size)
             envs = [worker_env(self.environ, layout, rank, error_file=str(place),
-                               timer_file=self.timer_file)
-                    for rank in range(layout.local_world_size)]
-            return self.command(0, 0, place / "0"), envs
+                               timer_file=self.timer_file) for rank in ranks]
+            return Preview(self.command(0, 0, place / "0"), envs,
+                           [self.cpus(rank) for rank in ranks])
         except Exception:  # an invalid layout fails at the launch, with its own message
             return None
 

@@ -86,8 +86,9 @@ class Pool(Protocol):
     async def start_tasks(self, tg: TaskGroup) -> None:
         """Start the pool's run-long tasks (the fork server's) in the root task group."""
 
-    def warm_up(self, preview: tuple[list[str], list[dict[str, str]]] | None) -> None:
-        """Prepare what the first attempt's restart will need (before the rendezvous)."""
+    def warm_up(self, preview: Preview | None) -> None:
+        """Prepare what the first attempt (or its restart) will need (before the
+        rendezvous)."""
 
     def memory(self) -> MemorySample | None:
         """The last reading of the fork server's and the forked standbys' memory."""
@@ -126,7 +127,7 @@ class NullPool:
     async def start_tasks(self, tg: TaskGroup) -> None:
         return None
 
-    def warm_up(self, preview: tuple[list[str], list[dict[str, str]]] | None) -> None:
+    def warm_up(self, preview: Preview | None) -> None:
         return None
 
     def memory(self) -> MemorySample | None:
@@ -134,6 +135,17 @@ class NullPool:
 
     def fork_failures(self) -> dict[str, int]:
         return {}
+
+
+@dataclass(frozen=True)
+class Preview:
+    """The first attempt's ranks as the worker group can tell them before the rendezvous:
+    rank 0's command, every rank's environment (per-attempt values are placeholders) and
+    CPUs."""
+
+    argv: list[str]
+    envs: list[dict[str, str]]
+    cpus: list[tuple[int, ...] | None]
 
 
 @dataclass
@@ -211,6 +223,9 @@ class WarmPool:
         self._plans: list[StandbyPlan] = []
         # whether rank 0's store listened on MASTER_PORT in an earlier attempt (learned)
         self.store_seen = False
+        self._launches = 0  # attempts launched in this run
+        self._preview: Preview | None = None  # the first attempt's ranks (``warm_up``)
+        self._previewed = anyio.Event()
 
     @property
     def preloading(self) -> bool:
@@ -235,6 +250,7 @@ class WarmPool:
     def launched(self, attempt: Attempt) -> None:
         """Without preloading, plan the standbys now, before any event of this attempt is
         handled: a stop that begins before they are started waits for the spawn."""
+        self._launches += 1
         self._due = None
         if self.restart_possible(attempt.layout.restart_count) and (
                 not self.preloading or self.forking):
@@ -313,17 +329,44 @@ class WarmPool:
                      ",".join(list(found)[:8]) + ("..." if len(found) > 8 else ""))
         return list(found)
 
-    def warm_up(self, preview: tuple[list[str], list[dict[str, str]]] | None) -> None:
+    def warm_up(self, preview: Preview | None) -> None:
         """At the supervisor's start (while the rendezvous forms): have the fork server
         import the explicit ``--preload`` list for the command the first attempt will run,
         so that an early crash finds it ready."""
         if preview is None or not self.forking or not self.options.preload \
-                or not self.restart_possible(0):  # no restart to be warm for
+                or not (self.restart_possible(0) or self.settings.fork_first_attempt):
             return
-        argv, envs = preview
-        config = self._config_for(argv, None, envs)
+        config = self._config_for(preview.argv, None, preview.envs)
         if config is not None and self.forks is not None:
             self.forks.request(config)
+            self._preview = preview
+            self._previewed.set()
+
+    async def _stand_by_first(self) -> None:
+        """Fork a standby per rank as soon as the fork server that ``warm_up`` asked for is
+        ready, if no attempt has begun yet: a spare waiting for a place (and, with
+        ``--fork-first-attempt``, any node whose rendezvous is still forming) starts its
+        first attempt in them; otherwise they serve the first restart, as the standbys
+        forked after a launch would (``take``)."""
+        await self._previewed.wait()
+        preview = self._preview
+        config = None if preview is None else self._config_for(preview.argv, None,
+                                                               preview.envs)
+        if preview is None or config is None or self.forks is None \
+                or not await self.forks.prepare(config) or self._attempt is not None:
+            return
+        wanted = [
+            _Wanted(rank, standby_env(env), None, cpus, Path(), 0, False,
+                    frozenset(self.auto_excluded), config.path0)
+            for rank, (env, cpus) in enumerate(zip(preview.envs, preview.cpus, strict=True))
+            if rank not in self.standbys
+        ]
+        plan = StandbyPlan(wanted, anyio.Event())
+        if wanted:
+            self._plans.append(plan)
+            logger.debug("forking %d standby(s) for the first attempt while the "
+                         "rendezvous forms", len(wanted))
+            await self._start(plan)
 
     def _fork_config(self, attempt: Attempt) -> ForkServerConfig | None:
         """The node's fork server for this attempt's command (None: it cannot run warm)."""
@@ -370,6 +413,7 @@ class WarmPool:
         """The run-long tasks of the fork server: its slot, the memory sampler."""
         if self.forks is not None:
             await tg.start(self.forks.run)
+            tg.start_soon(self._stand_by_first)
         if self.sampler is not None:
             tg.start_soon(self.sampler.run)
 
@@ -470,6 +514,9 @@ class WarmPool:
                     standby = await self.spawner.spawn(self._spawn, want)
                     if standby is None:
                         break
+                    if standby.local_rank in self.standbys:  # another plan's came first
+                        self._discard(standby)
+                        continue
                     self.standbys[standby.local_rank] = standby
                     if self.guardian is not None:
                         self.guardian.watch(standby.pid)
@@ -584,7 +631,14 @@ class WarmPool:
 
     # ------------------------------------------------------------------ the hand-off
     def take(self, spec: WorkerSpec) -> Worker | None:
-        """Start the worker in its rank's standby; None if there is none or it cannot."""
+        """Start the worker in its rank's standby; None if there is none or it cannot.
+        The first attempt starts cold unless this node waited as a spare or
+        ``--fork-first-attempt`` is given: its standbys then serve the first restart."""
+        attempt = self._attempt
+        if self._launches == 0 and not (
+                self.settings.fork_first_attempt
+                or (attempt is not None and attempt.round.spare)):
+            return None
         standby = self.standbys.pop(spec.local_rank, None)
         if standby is None:
             return None
