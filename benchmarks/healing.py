@@ -11,8 +11,8 @@ later attempt), K = ``--max-node-failures 2``:
 Measured: the job's cold start-up (3 nodes started to every rank's first step), time from
 the bad node's first failure to every rank of a group without it training again, restarts
 spent, and goodput per worker over the window after the failure (steps done / steps an
-undisturbed worker does, measured before the failure). ``python benchmarks/healing.py
---window 40`` prints a markdown table; the shared machine made us keep the window short.
+undisturbed worker does, measured before the failure). ``python benchmarks/healing.py``
+(``--window 120`` s by default, ``--only TEXT``, ``--keep`` logs) prints a markdown table.
 """
 
 from __future__ import annotations
@@ -158,7 +158,8 @@ def first_steps(recs: list[dict[str, Any]], since: float) -> dict[str, list[dict
     return rounds
 
 
-def run_case(label: str, launcher: str, window: float, preload: bool = False) -> dict[str, Any]:
+def run_case(label: str, launcher: str, window: float, preload: bool = False,
+             keep: bool = False) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="heal-bench-"))
     log, gate = root / "steps.jsonl", root / "bad-gate"
     nodes = Nodes(root)
@@ -219,10 +220,28 @@ def run_case(label: str, launcher: str, window: float, preload: bool = False) ->
                 text = "".join((root / f"{n}.err").read_text() for n in nodes.procs)
                 result["restarts"] = text.count("Worker group FAILED") or None
             result["exit_codes"] = {n: p.poll() for n, p in nodes.procs.items()}
+            if any(code not in (None, 0, 200) for code in result["exit_codes"].values()):
+                result["first_error"] = _first_error(root, list(nodes.procs))
     finally:
         nodes.stop()
-        shutil.rmtree(root, ignore_errors=True)
+        if keep:
+            log_progress(f"{label}: logs kept under {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
     return result
+
+
+def log_progress(text: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def _first_error(root: Path, names: list[str]) -> str | None:
+    """The first line of any node's stderr that reports an error (what ended the job)."""
+    for name in names:
+        for line in (root / f"{name}.err").read_text(errors="replace").splitlines():
+            if "Error" in line or "FAILED" in line:
+                return f"{name}: {line.strip()[:300]}"
+    return None
 
 
 @contextmanager
@@ -272,15 +291,19 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--window", type=float, default=40.0, help="seconds after the failure")
+    p.add_argument("--window", type=float, default=120.0, help="seconds after the failure")
+    p.add_argument("--only", default="", help="run the cases whose name contains this")
+    p.add_argument("--keep", action="store_true", help="keep each case's logs")
     args = p.parse_args()
     cases = [("elastic-supervisor", "ours", False),
              ("elastic-supervisor --preload torch", "ours", True),
              ("torchrun (c10d, 3:4)", "torchrun", False)]
     rows = []
     for label, launcher, preload in cases:
+        if args.only not in label:
+            continue
         try:
-            row = run_case(label, launcher, args.window, preload=preload)
+            row = run_case(label, launcher, args.window, preload=preload, keep=args.keep)
         except TimeoutError as exc:  # e.g. a launcher that never forms its first group
             row = {"case": label, "error": str(exc), "goodput_per_worker": 0.0}
         print(json.dumps(row), file=sys.stderr, flush=True)
