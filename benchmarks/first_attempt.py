@@ -30,8 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.healing import BIN, JOB, LOCAL, Nodes, etcd_server, free_port, records, \
-    wait_until
+from benchmarks.healing import BIN, JOB, LOCAL, Nodes, etcd_server, free_port, records, wait_until
 
 
 def launches(root: Path, name: str) -> list[float]:
@@ -50,7 +49,7 @@ def run_case(scenario: str, launcher: str, wait: float) -> dict[str, Any]:
     log, gate = root / "steps.jsonl", root / "never"
     nodes = Nodes(root)
     nnodes = "2:3" if scenario == "last call" else "2"
-    last_call = wait if scenario == "last call" else 1.0
+    last_call = round(wait) if scenario == "last call" else 1  # torchrun wants an integer
     try:
         with etcd_server(root) as etcd:
             run_id = f"fa-{os.getpid()}-{int(time.time() * 1000) % 10**8}"
@@ -62,13 +61,13 @@ def run_case(scenario: str, launcher: str, wait: float) -> dict[str, Any]:
                     return [str(BIN / "torchrun"), "--rdzv-backend", "c10d",
                             "--rdzv-endpoint", c10d, "--rdzv-id", run_id, "--nnodes", nnodes,
                             "--nproc-per-node", str(LOCAL), "--rdzv-conf",
-                            f"last_call_timeout={last_call}", "--max-restarts", "0",
+                            f"last_call_timeout={last_call:g}", "--max-restarts", "0",
                             "--log-dir", str(root / name), *job]
                 first = ["--fork-first-attempt"] if launcher == "forked" else []
                 return [str(BIN / "elastic-supervisor"), "run", "--rdzv-backend", "etcd",
                         "--rdzv-endpoint", etcd, "--rdzv-id", run_id, "--nnodes", nnodes,
                         "--nproc-per-node", str(LOCAL), "--rdzv-conf",
-                        f"node_id={name},last_call_timeout={last_call},lease_ttl=5",
+                        f"node_id={name},last_call_timeout={last_call:g},lease_ttl=5",
                         "--health-port", "0", "--log-dir", str(root / name),
                         "--preload", "torch", *first, *job]
 
@@ -80,6 +79,8 @@ def run_case(scenario: str, launcher: str, wait: float) -> dict[str, Any]:
             nodes.start("n1", argv("n1"), bad=False)
 
             def all_first() -> list[dict[str, Any]] | None:
+                if all(proc.poll() is not None for proc in nodes.procs.values()):
+                    raise TimeoutError("every launcher exited before every rank's first step")
                 firsts = [r for r in records(log) if r["event"] == "first"]
                 return firsts if len({r["rank"] for r in firsts}) == 2 * LOCAL else None
 

@@ -441,8 +441,8 @@ def cause_of_membership(reason: str) -> str:
         return "spare_admitted"  # a spare takes the place of a node that left
     if "quarantined" in text:
         return "node_quarantined"
-    if "lost" in text and "rendezvous lost" not in text:
-        return "node_lost"
+    if ("lost" in text and "rendezvous lost" not in text) or "cut off from etcd" in text:
+        return "node_lost"  # another node was lost, or this one (the cut-off rule)
     if "join" in text:
         return "node_joined"
     if "another node" in text or "closed" in text:

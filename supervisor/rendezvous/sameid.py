@@ -6,8 +6,9 @@ the same endpoint and no id meet as one: torchrun's agents would too. A node tha
 ``--nnodes``, has met another job: it says so in one line, with the fix. A different
 ``--nproc-per-node``, or a round that runs full without it, is said at once too, but only
 as a warning (nodes of one job may run different numbers of workers; a node beyond the
-maximum waits for room); if such a node then sees the job close without it, the closing
-line says it met another job. Pure logic: the caller reads and writes etcd.
+maximum waits for room, and is only told so under the default run id: a job with an id
+of its own starts its spares that way); if such a node then sees the job close without
+it, the closing line says it met another job. Pure logic: the caller reads and writes etcd.
 
 Key (under the job's ``ctl/``, not lease-bound, written once by the first node to arrive):
 ``ctl/shape {"nnodes": "MIN:MAX", "nproc_per_node": N}``.
@@ -58,7 +59,9 @@ def meet(run_id: str, *, closed: dict[str, Any] | None, shape: Any,
         return Meeting(False, f"{where}: the round running now has --nproc-per-node "
                               f"{listed}, this node {nproc_per_node}: if this is another job "
                               f"under the same run id, {FIX}")
-    if running_sizes is not None and len(running_sizes) >= max_nodes:
+    # a node beyond the maximum waits as a spare: meant so when the job has an id of its
+    # own (healing's spares), a likely collision under the default id only
+    if running_sizes is not None and len(running_sizes) >= max_nodes and run_id == "none":
         return Meeting(False, f"{where}: a round of {len(running_sizes)} node(s) (max "
                               f"{max_nodes}) runs without this node, which waits for room; if "
                               f"this is another job under the same run id, {FIX}")

@@ -36,6 +36,13 @@ def test_a_full_round_without_this_node_is_a_warning() -> None:
     assert not met.fatal and "a round of 2 node(s) (max 2) runs without this node" in met.line
 
 
+def test_a_spare_of_a_job_with_its_own_id_is_not_warned() -> None:
+    facts: dict[str, Any] = {"closed": None, "shape": {"nnodes": "1:2"},
+                             "running_sizes": [4, 4], "min_nodes": 1, "max_nodes": 2,
+                             "nproc_per_node": 4}
+    assert meet("heal-1", **facts) is None
+
+
 def test_a_closed_job_is_fatal_and_names_the_fix() -> None:
     met = verdict(closed={"ok": True, "reason": "job succeeded"})
     assert met.fatal and "a job that ended (job succeeded) without this node" in met.line

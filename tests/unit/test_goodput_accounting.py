@@ -248,6 +248,8 @@ def test_unknown_cause_is_accounted_as_other_and_every_cause_has_a_total() -> No
         ("round 4 was opened by another node", "remote_failure"),
         ("job closed: node x failed", "remote_failure"),
         ("rendezvous lost: lease expired", "other"),
+        ("cut off from etcd: peer b runs round 1, this node round 0: the job went on "
+         "without it", "node_lost"),
     ],
 )
 def test_membership_reasons_map_to_causes(reason: str, cause: str) -> None:
