@@ -55,6 +55,7 @@ class Cell:
     flags: tuple[str, ...] = ()
     crash_after: float | None = None  # s of training before each crash, if not --crash-after
     recoveries: list[float] = field(default_factory=list)
+    by_crash: dict[int, list[float]] = field(default_factory=dict)  # crash k of a run
     phases: list[dict[str, float]] = field(default_factory=list)
     runs: int = 0
     failed_runs: int = 0
@@ -185,6 +186,7 @@ def collect(cell: Cell, out: Path, ranks: int, crashes: int) -> int:
         recs = [json.loads(p.read_text()) for p in records]
         last = max(recs, key=lambda r: r["step"])
         cell.recoveries.append(last["step"] - t_crash)
+        cell.by_crash.setdefault(k, []).append(last["step"] - t_crash)
         cell.phases.append({
             PHASES[0]: max(r["start"] for r in recs) - t_crash,
             PHASES[1]: statistics.median(r["torch"] - r["start"] for r in recs),
@@ -223,6 +225,8 @@ def main() -> int:
     ap.add_argument("--crash-after", type=float, default=5.0,
                     help="seconds of training before each crash; below a standby's import "
                          "time (~2.5 s) the crash comes while the standbys still import")
+    ap.add_argument("--ours-runs", type=int, default=1,
+                    help="runs of each of our cells (each crashes --reps times)")
     ap.add_argument("--stall", type=float, default=STALL[0],
                     help="seconds after a crash without a first step: a failed recovery")
     a = ap.parse_args()
@@ -237,7 +241,8 @@ def main() -> int:
                     continue
                 started = time.monotonic()
                 if cell.kind == "ours":
-                    run_once(cell, ranks, a.reps, kill, timeout=60 + 15 * a.reps)
+                    for _ in range(a.ours_runs):
+                        run_once(cell, ranks, a.reps, kill, timeout=60 + 15 * a.reps)
                 else:
                     while len(cell.recoveries) < a.reps and cell.runs < a.torchrun_runs:
                         run_once(cell, ranks, a.reps - len(cell.recoveries), kill,
@@ -263,6 +268,8 @@ def summarise(cell: Cell, ranks: int, mode: str, seconds: float) -> dict[str, ob
     return {
         "ranks": ranks, "crash": mode, "launcher": cell.name, "n": len(cell.recoveries),
         "median": median(cell.recoveries),
+        # crash k of each run: 0 ends attempt 0, 1 ends attempt 1 (a crash loop), ...
+        "by_crash": {k: median(v) for k, v in sorted(cell.by_crash.items())},
         "min": min(cell.recoveries) if cell.recoveries else None,
         "max": max(cell.recoveries) if cell.recoveries else None,
         "phases": phases, "runs": cell.runs, "failed_runs": cell.failed_runs,
