@@ -291,6 +291,7 @@ class Controller:
             master_addr=result.master_addr, master_port=result.master_port,
             members=list(result.members), duration=round(self.round.duration, 6),
         )
+        await self.group.settle()  # a fork server about to be ready beats a cold start
         self._post(sm.RendezvousComplete(result.round, result.world_size, job_restarts))
 
     async def _job_restarts(self) -> int:

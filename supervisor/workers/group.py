@@ -172,6 +172,11 @@ class WorkerGroup:
         self.pool.launched(attempt)
         return attempt, failed_to_start
 
+    async def settle(self) -> None:
+        """Before a launch: the standbys still to come that are worth waiting for
+        (``Pool.settle``)."""
+        await self.pool.settle()
+
     def preview(self) -> Preview | None:
         """Every rank's command, environment and CPUs as the first attempt will have them,
         before the rendezvous (its per-attempt values are placeholders: a standby never

@@ -77,6 +77,18 @@ class ForkSlot:
         """The servers' pids (a group's sweep must not kill them)."""
         return {s.pid for s in (self.server, self._pending) if s is not None}
 
+    def importing_for(self, config: ForkServerConfig) -> float | None:
+        """Seconds the server still preloading has imported for ``config``'s command (the
+        first one, or a replacement), or None if none is."""
+        pending = self._pending
+        if pending is None or not _same_place(pending.config, config):
+            return None
+        return time.monotonic() - pending.started_at
+
+    def pending_pid(self) -> int | None:
+        """The pid of the server still preloading, if any."""
+        return self._pending.pid if self._pending is not None else None
+
     def usable_for(self, config: ForkServerConfig) -> bool:
         """Whether the ready server forks standbys that run ``config``'s command."""
         server = self.server

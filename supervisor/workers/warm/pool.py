@@ -53,6 +53,9 @@ TAINT_RETRIES = 3  # new standbys per rank after auto preloads that read a per-a
 STORE_WAIT = 5.0  # seconds a warm rank waits for rank 0's store before it dials anyway
 STAGGER = 0.03  # s at most between two standbys' starts (see ``WarmPool._start``)
 AUTO_SETTLE = 5.5  # s after a launch: a warm worker has recorded its imports at 1 and 5 s
+# s a restart waits for a fork server still importing when this node has not yet seen what
+# a cold start costs (no progress shown): a preload that hangs delays one restart by this
+UNKNOWN_COLD_WAIT = 60.0
 
 
 class Pool(Protocol):
@@ -89,6 +92,10 @@ class Pool(Protocol):
     def warm_up(self, preview: Preview | None) -> None:
         """Prepare what the first attempt (or its restart) will need (before the
         rendezvous)."""
+
+    async def settle(self) -> None:
+        """Before a restart's launch: have the standbys that are still to come (the fork
+        server importing) when waiting for them is sooner than starting cold."""
 
     def memory(self) -> MemorySample | None:
         """The last reading of the fork server's and the forked standbys' memory."""
@@ -128,6 +135,9 @@ class NullPool:
         return None
 
     def warm_up(self, preview: Preview | None) -> None:
+        return None
+
+    async def settle(self) -> None:
         return None
 
     def memory(self) -> MemorySample | None:
@@ -224,6 +234,11 @@ class WarmPool:
         # whether rank 0's store listened on MASTER_PORT in an earlier attempt (learned)
         self.store_seen = False
         self._launches = 0  # attempts launched in this run
+        self._launched_at = 0.0  # monotonic time of the last launch
+        # launch -> every rank's first progress of this node's last cold attempt
+        self.cold_startup: float | None = None
+        self._waited_for: int | None = None  # the importing server a restart waited for
+        progress.listeners.append(self._on_progress)
         self._preview: Preview | None = None  # the first attempt's ranks (``warm_up``)
         self._previewed = anyio.Event()
 
@@ -251,6 +266,7 @@ class WarmPool:
         """Without preloading, plan the standbys now, before any event of this attempt is
         handled: a stop that begins before they are started waits for the spawn."""
         self._launches += 1
+        self._launched_at = time.monotonic()
         self._due = None
         if self.restart_possible(attempt.layout.restart_count) and (
                 not self.preloading or self.forking):
@@ -341,6 +357,51 @@ class WarmPool:
             self.forks.request(config)
             self._preview = preview
             self._previewed.set()
+
+    def _on_progress(self, attempt: int, _local_rank: int, now: float) -> None:
+        """Learn how long a cold start takes on this node (``settle`` weighs it)."""
+        current = self._attempt
+        if current is None or current.number != attempt or not current.workers \
+                or any(w.start.warm for w in current.workers) \
+                or self.progress.count() < len(current.workers):
+            return
+        self.cold_startup = now - self._launched_at
+
+    async def settle(self) -> None:
+        """Before a restart's launch, for ranks that have no standby: fork them from the
+        ready server (it got ready after the stop halted their forks), or wait for the
+        server still importing, when that is sooner than a cold start.
+
+        Sooner: the server began importing before the attempt that just stopped, so it is
+        ahead of a cold worker that would import the same modules from nothing; it is
+        waited for at most as long as this node's last cold start took from launch to
+        every rank's first progress (not seen yet: ``UNKNOWN_COLD_WAIT``), and then the
+        ranks start cold, the import going on for the next restart. One server is waited
+        for once: a preload that hangs delays one restart, not every one."""
+        attempt = self._attempt
+        if attempt is None or self.forks is None or not self.forking or not attempt.workers \
+                or all(w.local_rank in self.standbys for w in attempt.workers):
+            return
+        config = self._fork_config(attempt)
+        if config is None:
+            return
+        if not self.forks.usable_for(config):
+            importing = self.forks.importing_for(config)
+            pending = self.forks.pending_pid()
+            if importing is None or pending == self._waited_for:
+                return  # no server on its way (or it already kept a restart waiting)
+            self._waited_for = pending
+            limit = self.cold_startup
+            logger.info("waiting for the fork server (importing for %.1f s) rather than "
+                        "starting cold%s", importing,
+                        "" if limit is None else f" (at most {limit:.1f} s, a cold start)")
+            ready = False
+            with anyio.move_on_after(UNKNOWN_COLD_WAIT if limit is None else limit):
+                ready = await self.forks.prepare(config)
+            if not ready:
+                logger.info("the fork server is not ready: the ranks start cold")
+                return
+        await self._start(self._plan(attempt))
 
     async def _stand_by_first(self) -> None:
         """Fork a standby per rank as soon as the fork server that ``warm_up`` asked for is

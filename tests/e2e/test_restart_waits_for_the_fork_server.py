@@ -1,0 +1,92 @@
+"""A crash while the node's fork server still imports: the restart waits for the server
+when that is sooner than a cold start, and starts cold when it is not.
+
+The preload is ``tests/workers/gated_preload.py``: it blocks on a FIFO until the test
+opens it, so the server is importing for exactly as long as the test wants."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+
+from tests.support.daemon import supervisor
+from tests.support.paths import FAKE_WORKER, WORKERS
+
+BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug",
+        "--max-restarts", "1"]
+WAITING = r"waiting for the fork server \(importing for [\d.]+ s\) rather than starting cold"
+
+
+def warm_ranks(log_dir: Path) -> list[object]:
+    lines = (log_dir / "none" / "events.jsonl").read_text().splitlines()
+    return [e.get("warm") for e in map(json.loads, lines) if e["event"] == "group_started"]
+
+
+def gated(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:
+    """The environment of a supervisor whose preload blocks on ``gate``; it writes
+    ``started`` when it has begun."""
+    (tmp_path / "gated_preload.py").write_text((WORKERS / "gated_preload.py").read_text())
+    gate, started = tmp_path / "gate", tmp_path / "started"
+    os.mkfifo(gate)
+    env = {"PRELOAD_GATE": str(gate), "PRELOAD_STARTED": str(started),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    return env, gate, started
+
+
+async def wait_for_file(path: Path, timeout: float = 30.0) -> None:
+    with anyio.fail_after(timeout):
+        while not path.exists():
+            await anyio.sleep(0.02)
+
+
+def open_gate(fifo: Path) -> None:
+    """Blocks until the preload opens the FIFO to read, then lets it go on."""
+    os.close(os.open(fifo, os.O_WRONLY))
+
+
+async def test_a_crash_during_the_import_waits_for_the_fork_server_and_restarts_warm(
+    tmp_path: Path
+) -> None:
+    env, gate, started = gated(tmp_path)
+    logs = tmp_path / "logs"
+    args = [*BASE, "--log-dir", str(logs), "--preload", "gated_preload", FAKE_WORKER,
+            "--hang", "--usr1-exit", "1", "--fail-attempts", "1"]
+    async with supervisor(args, env=env, cwd=tmp_path) as sup:
+        pid = int((await sup.out.expect(r"^ready 0 (\d+) 0$", timeout=30)).group(1))
+        await wait_for_file(started)  # the server is importing, and will until the gate
+        os.kill(pid, signal.SIGUSR1)  # the worker exits 1
+        await sup.err.expect(WAITING + "$", timeout=30)  # no progress seen: cost unknown
+        with anyio.fail_after(30):
+            await anyio.to_thread.run_sync(open_gate, gate)
+        await sup.err.expect(r"fork server \(pid \d+\) ready", timeout=30)
+        await sup.out.expect(r"^ready 0 \d+ 1$", timeout=30)
+        sup.signal(signal.SIGTERM)
+        await sup.wait(timeout=30)
+    assert warm_ranks(logs) == [None, [0]]
+
+
+async def test_the_wait_ends_after_a_cold_start_s_worth_and_the_ranks_start_cold(
+    tmp_path: Path
+) -> None:
+    """The first attempt showed progress (a ``--progress-pattern`` line): the node knows
+    what a cold start costs, and waits no longer than that for a server stuck importing."""
+    env, _gate, started = gated(tmp_path)
+    logs = tmp_path / "logs"
+    args = [*BASE, "--log-dir", str(logs), "--preload", "gated_preload",
+            "--progress-pattern", "^ready", "--tee", "3",  # the lines pass through us
+            FAKE_WORKER, "--hang", "--usr1-exit", "1", "--fail-attempts", "1"]
+    async with supervisor(args, env=env, cwd=tmp_path) as sup:
+        pid = int((await sup.out.expect(r"ready 0 (\d+) 0$", timeout=30)).group(1))
+        await wait_for_file(started)
+        os.kill(pid, signal.SIGUSR1)  # the worker exits 1
+        await sup.err.expect(WAITING + r" \(at most [\d.]+ s, a cold start\)", timeout=30)
+        await sup.err.expect("the fork server is not ready: the ranks start cold", timeout=30)
+        await sup.out.expect(r"ready 0 \d+ 1$", timeout=30)
+        sup.signal(signal.SIGTERM)
+        await sup.wait(timeout=30)
+    assert warm_ranks(logs) == [None, None]
