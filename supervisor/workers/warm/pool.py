@@ -213,7 +213,8 @@ class WarmPool:
         self.sampler = MemorySampler(self.memory_targets) if forks is not None else None
         self._forked: set[int] = set()  # local ranks whose standby was forked
         self._forked_from: dict[int, int] = {}  # local rank -> pid of the server it came from
-        self._node_auto: list[str] | None = None  # --preload auto: learned once per node
+        self._node_auto: list[str] | None = None  # --preload auto: learned for the node
+        self._auto_refined = False  # learned again from a warm attempt's own record
         self.python = python
         self.death = death
         self.progress = progress
@@ -306,21 +307,35 @@ class WarmPool:
             return
         if not due.halted:
             await self._start(due)
-        if self.options.auto and self._node_auto is None:
+        if self.options.auto and (self._node_auto is None or self._refine_auto(attempt)):
             await self._learn_auto(attempt)
 
+    def _refine_auto(self, attempt: Attempt) -> bool:
+        """Whether to learn once more, from the first attempt whose ranks all ran warm:
+        a cold worker's list is the shared libraries it mapped (``torch``), a warm one
+        records the modules it imported, pure-Python ones too (DDP imports
+        ``torch._dynamo`` at its first use: seconds that a preload saves)."""
+        if self._auto_refined or not attempt.workers \
+                or not all(w.start.warm for w in attempt.workers):
+            return False
+        self._auto_refined = True
+        return True
+
     async def _learn_auto(self, attempt: Attempt) -> None:
-        """``--preload auto`` learns once per node, from the first attempt's workers;
-        a second server imports the list, then the standbys are forked again from it."""
+        """``--preload auto`` learns for the node from the first attempt's workers (and
+        once more from the first warm attempt's, ``_refine_auto``); a new server imports
+        the list, then the standbys are forked again from it."""
         assert self.forks is not None
         launched = time.monotonic()
         await anyio.sleep(max(0.0, launched + AUTO_SETTLE - time.monotonic()))
         if not _running(attempt):
             return
-        names = await anyio.to_thread.run_sync(self._node_names, attempt)
+        learned = await anyio.to_thread.run_sync(self._node_names, attempt)
+        names = list(dict.fromkeys([*(self._node_auto or ()), *learned]))
+        if not names or names == self._node_auto:
+            self._node_auto = names
+            return  # nothing new: the server there is the one to keep
         self._node_auto = names
-        if not names:
-            return
         config = self._fork_config(attempt)
         if config is None or not await self.forks.prepare(config):
             return
