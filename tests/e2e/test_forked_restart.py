@@ -89,6 +89,30 @@ async def test_a_dead_fork_server_means_cold_starts_and_a_new_server(tmp_path: P
     assert len(restarts) == 2  # the server's death used none of the restart budget
 
 
+async def test_auto_learns_again_from_the_first_warm_attempt(tmp_path: Path) -> None:
+    """A cold worker's list comes from its shared libraries (psutil); the first attempt
+    that runs warm records what it imported, pure-Python modules too (iniconfig here,
+    DDP's torch._dynamo in a torch job): a third server preloads both."""
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = tmp_path / "logs"
+    args = [*BASE, "--max-restarts", "2", "--log-dir", str(logs), "--preload", "auto",
+            str(WORKERS / "auto_refine_job.py"), str(out)]
+    async with supervisor(args) as sup:
+        for attempt in range(2):
+            server = int((await sup.err.expect(
+                r"fork server \(pid (\d+)\) ready: preloaded auto", timeout=60)).group(1))
+            await sup.err.expect(rf"standby for local rank 0 forked as pid \d+ by the fork "
+                                 rf"server \(pid {server}\)", timeout=30)
+            (out / f"go{attempt}").touch()
+        assert await sup.wait() == 0
+    assert warm_ranks(logs) == [None, [0], [0]]
+    first, second = (json.loads((out / f"r{n}_0.json").read_text())["modules_at_start"]
+                     for n in (1, 2))
+    assert "psutil" in first and "iniconfig" not in first
+    assert "psutil" in second and "iniconfig" in second
+
+
 async def test_auto_learns_once_per_node_and_a_second_server_preloads_it(
         tmp_path: Path) -> None:
     out = tmp_path / "out"
