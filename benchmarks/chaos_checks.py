@@ -18,6 +18,7 @@ import psutil
 from benchmarks.chaos_rig import (
     DESTRUCTIVE,
     FD_BOUND,
+    FD_SETTLE,
     LOST_MARKER,
     RSS_BOUND_MB,
     THREAD_BOUND,
@@ -133,7 +134,8 @@ class Checks:
     async def check_usage(self) -> None:
         assert self.rig.usage_start is not None
         start = self.rig.usage_start
-        with anyio.move_on_after(10):  # the server closes the harness's connections
+        # the server closes the harness's connections; pooled etcd connections close
+        with anyio.move_on_after(FD_SETTLE):
             while True:
                 self.rig.usage_end = Usage.of(self.rig.pid, self.rig.worker_pids())
                 if self.rig.usage_end.fds <= start.fds + FD_BOUND:
