@@ -26,6 +26,7 @@ from tests.support.paths import TESTS, WORKERS
 pytestmark = pytest.mark.xdist_group("load")
 
 TOLERANCE = 0.25  # seconds, per phase boundary (the 20 ms target is a benchmark figure)
+FIFO_TRANSIT = 0.01  # s a deadline post may take from the worker's stamp to our read
 
 
 
@@ -89,8 +90,10 @@ async def test_hang_is_lost_from_the_ranks_last_progress(tmp_path: Path) -> None
     errors = {"failed": rec["failed_at"] - last, "resumed": rec["resumed_at"] - resumed}
     print("accounting error (s):", errors)
     assert all(0 <= e < TOLERANCE for e in errors.values()), errors
-    # noticed when the 0.5 s deadline expired, not before
-    assert rec["phases"]["detect"] >= 0.5
+    # noticed when the 0.5 s deadline expired, not before. The worker stamps the expiry
+    # (its clock, then the FIFO write); the rank's last progress is when we read the post:
+    # the post's transit makes detect that much shorter (a run saw 0.499953 s)
+    assert rec["phases"]["detect"] >= 0.5 - FIFO_TRANSIT
 
 
 async def test_ranks_without_progress_signal_are_recorded_as_such(tmp_path: Path) -> None:
