@@ -103,7 +103,7 @@ class Chaos:
                 await rig.start()
                 await rig.wait_health()
                 await rig.wait_group(0)
-                rig.guardian = rig.find_guardian()
+                rig.guardian = await rig.find_guardian()
                 await faults.warm_up()
                 until = time.monotonic() + rig.args.seconds
                 log(f"injecting faults for {rig.args.seconds:g} s (seed {rig.args.seed})")

@@ -513,12 +513,20 @@ class Rig:
         await self.board.wait_for("health endpoint", listening)
         self.port = int(self.board.events_named("health_listening")[0]["port"])
 
-    def find_guardian(self) -> int:
+    async def find_guardian(self) -> int:
         """The supervisor's one child that is neither a worker nor a standby interpreter
-        (call while the group is up)."""
+        (call while the group is up). A standby being spawned shows ``setpriv``'s command
+        line until it has exec'd its interpreter: asked again until one child is left
+        (a CI run saw two for a moment)."""
         workers = {pid for group in self.board.ready.values() for pid, _ in group.values()}
-        others = [c.pid for c in psutil.Process(self.pid).children()
-                  if c.pid not in workers and not is_standby(c)]
+        others: list[int] = []
+        with anyio.move_on_after(5):
+            while True:
+                others = [c.pid for c in psutil.Process(self.pid).children()
+                          if c.pid not in workers and not is_standby(c)]
+                if len(others) == 1:
+                    break
+                await anyio.sleep(0.05)  # pacing: a spawn's exec takes milliseconds
         if len(others) != 1:
             raise RuntimeError(f"expected one guardian process, found {others}")
         return others[0]
