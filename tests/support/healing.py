@@ -19,6 +19,7 @@ import anyio
 
 from supervisor.rendezvous.etcd_client import EtcdClient
 from tests.support.daemon import Supervised, supervisor
+from tests.support.eventlog import read_events
 from tests.support.paths import TESTS
 from tests.support.processes import wait_dead
 
@@ -36,18 +37,7 @@ class HealNode:
         self.run_id = run_id
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
-        path = self.log_dir / self.run_id / "events.jsonl"
-        if not path.exists():
-            return []
-        found = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:  # the last line, being written right now
-                continue
-            if kind is None or record["event"] == kind:
-                found.append(record)
-        return found
+        return read_events(self.log_dir / self.run_id / "events.jsonl", kind)
 
     def worker_pids(self) -> set[int]:
         return {int(pid) for e in self.events("group_started") for pid in e["pids"].values()}

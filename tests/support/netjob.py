@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import deps
+from tests.support.eventlog import read_events
 from tests.support.netlab import Host, NetLab, unavailable
 from tests.support.paths import FAKE_WORKER, REPO
 
@@ -111,20 +112,7 @@ class Node:
     proc: subprocess.Popen[bytes]
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
-        path = self.log_dir / self.run_id / "events.jsonl"
-        try:
-            lines = path.read_text().splitlines()
-        except FileNotFoundError:
-            return []
-        found = []
-        for line in lines:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
-            if kind is None or record.get("event") == kind:
-                found.append(record)
-        return found
+        return read_events(self.log_dir / self.run_id / "events.jsonl", kind)
 
     def first(self, kind: str, after: float, where: Callable[[dict[str, Any]], bool]
               = lambda e: True) -> float | None:

@@ -21,6 +21,7 @@ import anyio
 
 from supervisor.rendezvous.etcd_client import EtcdClient
 from tests.support.daemon import Supervised, supervisor
+from tests.support.eventlog import read_events
 from tests.support.paths import FAKE_WORKER
 from tests.support.processes import wait_dead
 
@@ -48,18 +49,7 @@ class Node:
         self.spawned = spawned  # monotonic, just before the process was started
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
-        path = self.log_dir / self.run_id / "events.jsonl"
-        if not path.exists():
-            return []
-        found = []
-        for line in path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except ValueError:  # the last line, being written right now
-                continue
-            if kind is None or record["event"] == kind:
-                found.append(record)
-        return found
+        return read_events(self.log_dir / self.run_id / "events.jsonl", kind)
 
     def mono(self, kind: str, after: float = 0.0) -> float:
         """Monotonic time of this node's first ``kind`` event after ``after``."""
