@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import importlib
 import logging
 import os
 import shutil
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 from anyio.abc import TaskGroup, TaskStatus
 
 from supervisor.accounting import GoodputRecorder
@@ -241,6 +243,7 @@ async def supervise(
         settings, rendezvous, group=group, view=view, policy=policy, events=events,
         output=output, progress=progress, observers=observers,
         stop_guard=lambda: extending_timeout(notifier), healing=healing,
+        late_observer=sock is not None,  # the metrics, attached by serve_when_launched
     )
     for level, note in advisories(settings):  # after the checks: a failed start is one line
         logger.log(level, "%s", note)
@@ -410,6 +413,14 @@ def _timer_file(settings: Settings, runtime_dir: Path) -> Path:
 
 
 SERVE_DEFER = 0.5  # seconds the health server may wait for the first launch before serving
+HTTP_STACK = ("psutil",  # the D-state sampler's: now, not in its first (idle) sample
+              "supervisor.health.metrics", "supervisor.health.server")
+
+
+def import_modules(*names: str) -> None:
+    """Import what serving needs (aiohttp, prometheus-client, psutil): run in a thread."""
+    for name in names:
+        importlib.import_module(name)
 
 
 async def serve_when_launched(
@@ -426,15 +437,18 @@ async def serve_when_launched(
     otherwise delay every worker's start. The socket is already bound and listening."""
     with anyio.move_on_after(SERVE_DEFER):
         await controller.launched.wait()
-    import psutil  # noqa: F401  -- the D-state sampler's: now, not in its first (idle) sample
-
+    # imported in a thread: the loop goes on reading the FIFO, pidfds and output meanwhile
+    # (~100 ms here, seconds on a loaded node, which would stamp deadline posts late)
+    etcd = controller.rendezvous.etcd_service()
+    extra = (("supervisor.rendezvous.etcd_metrics",) if etcd is not None else ()) + (
+        ("supervisor.health.healing_metrics",) if controller.healing is not None else ())
+    await anyio.to_thread.run_sync(functools.partial(import_modules, *HTTP_STACK, *extra))
     from supervisor.health.metrics import Metrics
     from supervisor.health.server import serve_health
 
     metrics = Metrics(started=controller.started,
                       watchdog=watchdog.stats if watchdog is not None else None)
     controller.attach_late(metrics)
-    etcd = controller.rendezvous.etcd_service()
     if etcd is not None:
         from supervisor.rendezvous.etcd_metrics import EtcdCollector
 

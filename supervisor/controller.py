@@ -87,6 +87,32 @@ class Observer(Protocol):
     def on_stopped(self, attempt: Attempt) -> None: ...
 
 
+class Audience:
+    """The observers, told in order; what they heard is kept for the one that attaches
+    late (the metrics: created after the first launch so that their imports do not delay
+    it) until it attaches, and never when none is coming."""
+
+    def __init__(self, observers: Sequence[Observer], *, late: bool) -> None:
+        self.observers = list(observers)
+        self._heard: list[Callable[[Observer], None]] | None = [] if late else None
+
+    def tell(self, heard: Callable[[Observer], None]) -> None:
+        for observer in self.observers:
+            heard(observer)
+        if self._heard is not None:
+            self._heard.append(heard)
+
+    def attach(self, observer: Observer) -> None:
+        """From now on (before the first launch: the watchdog's and health signals')."""
+        self.observers.append(observer)
+
+    def attach_late(self, observer: Observer) -> None:
+        for heard in self._heard or ():
+            heard(observer)
+        self._heard = None
+        self.observers.append(observer)
+
+
 def restart_policy(settings: Settings) -> RestartPolicy:
     """The restart budget and backoff the flags ask for."""
     base, top = settings.backoff
@@ -121,6 +147,7 @@ class Controller:
         observers: Sequence[Observer] = (),
         stop_guard: StopGuard | None = None,
         healing: Healing | None = None,
+        late_observer: bool = False,
     ) -> None:
         self.settings = settings
         self.rendezvous = rendezvous
@@ -131,13 +158,11 @@ class Controller:
         self.output = output
         self.progress = progress
         # the read model first: its event-log lines precede those of other observers
-        self.observers: list[Observer] = [view, *observers]
+        # (and the metrics, attached late, hear what came before them: --no-health has none)
+        self.audience = Audience([view, *observers], late=late_observer)
         self.stop_guard = stop_guard
         self.healing = healing  # node checks, root causes, quarantine (supervisor.healing)
         self.started = time.monotonic()
-        # transitions so far, for an observer that attaches late (the metrics, created
-        # after the first launch so their imports do not delay it); None once replayed
-        self._replay: list[tuple[sm.State, sm.State, sm.Event, sm.Decision]] | None = []
         self.state = sm.State()
         self.round: RendezvousResult | None = None
         self._action = anyio.CancelScope()
@@ -178,14 +203,11 @@ class Controller:
     def attach(self, observer: Observer) -> None:
         """Add an observer of the transitions from now on (started before the first
         launch: the watchdog's and health signals' tables)."""
-        self.observers.append(observer)
+        self.audience.attach(observer)
 
     def attach_late(self, observer: Observer) -> None:
-        """Add an observer and replay to it every transition made so far."""
-        for step in self._replay or ():
-            observer.on_transition(*step)
-        self._replay = None
-        self.observers.append(observer)
+        """Add an observer and replay to it all that observers heard so far."""
+        self.audience.attach_late(observer)
 
     @property
     def launched(self) -> anyio.Event:
@@ -212,10 +234,7 @@ class Controller:
                              event=type(event).__name__)
             return
         self.state = new
-        for observer in self.observers:
-            observer.on_transition(old, new, event, decision)
-        if self._replay is not None:
-            self._replay.append((old, new, event, decision))
+        self.audience.tell(lambda observer: observer.on_transition(old, new, event, decision))
         self.view.publish()
         self._execute(decision)
 
@@ -362,8 +381,7 @@ class Controller:
             cpus={w.local_rank: list(w.spec.cpus) for w in attempt.workers if w.spec.cpus}
             or None,
         )
-        for observer in self.observers:
-            observer.on_launch(attempt)
+        self.audience.tell(lambda observer: observer.on_launch(attempt))
         # reported through the inbox like any event: behind whatever was queued before
         # (a shutdown request then meets the launch in STOPPING, an edge of its own)
         now = time.monotonic()
@@ -432,8 +450,7 @@ class Controller:
     async def _stop_workers(self, attempt: Attempt | None, decision: sm.StopGroup) -> None:
         await self.group.stop(attempt, decision.signum)
         if attempt is not None and attempt.workers:
-            for observer in self.observers:
-                observer.on_stopped(attempt)
+            self.audience.tell(lambda observer: observer.on_stopped(attempt))
 
     # ------------------------------------------------------------------ the end
     def _finish(self, decision: sm.Exit) -> None:

@@ -157,13 +157,11 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host, port
 
 
-def _split_conf(text: str) -> tuple[dict[str, str], str]:
-    """(c10d-only keys, the rest as ``k=v,...`` for the etcd backend's parser)."""
+def _split_conf(text: str) -> tuple[dict[str, str], str, tuple[str, ...]]:
+    """(c10d-only keys, the rest as ``k=v,...`` for the etcd backend's parser, warnings)."""
     own: dict[str, str] = {}
     passed: list[str] = []
     read = read_conf(text, _TORCHRUN_KEYS + _ETCD_KEYS + _ETCD_ONLY_KEYS, "c10d")
-    for warning in read.warnings:  # unknown keys are ignored, as torchrun ignores them
-        logger.warning("%s", warning)
     for key, value in read.items:
         # known, but meaningless for the hosted etcd: refused, never silently dropped
         # (a TLS or password setting that does nothing would be worse than an error)
@@ -173,7 +171,7 @@ def _split_conf(text: str) -> tuple[dict[str, str], str]:
             own[key] = value
         else:
             passed.append(f"{key}={value}")
-    return own, ",".join(passed)
+    return own, ",".join(passed), read.warnings
 
 
 def _positive(key: str, raw: str) -> float:
@@ -199,7 +197,7 @@ def make_c10d_config(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str 
     the host may be unreachable before a node gives up, unless ``outage_limit`` is given;
     without either it is the lease TTL, so it is always finite."""
     host, port = parse_endpoint(endpoint)
-    own, passed = _split_conf(rdzv_conf)
+    own, passed, warnings = _split_conf(rdzv_conf)
     _check(port != 0 or nnodes.strip() in ("1", "1:1"),
            f"--rdzv-endpoint: port 0 ({endpoint!r}) is for one node only, got --nnodes {nnodes}")
     conf = make_config(endpoint=f"{_bracket(host)}:{port}", run_id=run_id, nnodes=nnodes,
@@ -212,6 +210,10 @@ def make_c10d_config(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str 
     _check_tls(etcd)
     close = _positive("close_timeout", own["close_timeout"]) if "close_timeout" in own else 30.0
     is_host = _boolean("is_host", own["is_host"]) if "is_host" in own else None
+    # after the checks: a bad value is one line, not two (unknown keys are ignored, as
+    # torchrun ignores them, with a warning)
+    for warning in warnings:
+        logger.warning("%s", warning)
     return C10dConfig(host, port, is_host, close, etcd, local_addr or None)
 
 

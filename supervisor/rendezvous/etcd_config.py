@@ -105,8 +105,6 @@ def parse_rdzv_conf(text: str) -> dict[str, str | int | float | None]:
     torchrun ignores them (``supervisor.rendezvous.conf``)."""
     conf: dict[str, str | int | float | None] = {}
     read = read_conf(text, {**_CONF_KEYS, **_TLS_RENAMED}, "etcd")
-    for warning in read.warnings:
-        logger.warning("%s", warning)
     for key, raw in read.items:
         # a TLS setting that did nothing would be worse than an error: never ignored
         _check(key not in _TLS_RENAMED,
@@ -114,6 +112,8 @@ def parse_rdzv_conf(text: str) -> dict[str, str | int | float | None]:
         conf["join_timeout" if key == "timeout" else key] = _conf_value(key, raw, _CONF_KEYS[key])
     _check(conf.get("protocol", "http") in ("http", "https"),
            f"--rdzv-conf: protocol must be http or https, got {conf.get('protocol')!r}")
+    for warning in read.warnings:  # after the checks: a bad value is one line, not two
+        logger.warning("%s", warning)
     return conf
 
 

@@ -364,6 +364,7 @@ async def test_huge_line_without_newline_keeps_memory_bounded(tmp_path: Path) ->
             "--long-line", str(size)]
     async with supervisor(args) as sup:
         await sup.out.expect(r"^\[default0\]:ready 0 ")
+        await sup.serving()  # its HTTP stack is imported: not part of what grows
         before = peak_rss(sup.pid)
         sup.signal(signal.SIGUSR1)  # forwarded: the worker writes the line
         received = 0

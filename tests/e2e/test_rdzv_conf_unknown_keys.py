@@ -55,10 +55,20 @@ def test_c10d_takes_pytorchs_quoted_conf(caplog: pytest.LogCaptureFixture) -> No
     assert len(warnings) == 1 and "removed the quotes" in warnings[0]
 
 
-@pytest.mark.parametrize("conf", ["join_timeout=soon", "'last_call_timeout=-1'", "lease_ttl"])
-def test_a_known_key_with_a_bad_value_is_still_an_error(conf: str) -> None:
-    with pytest.raises(RendezvousConfigError):
-        make_c10d_config(endpoint="localhost", run_id="j", nnodes="2", rdzv_conf=conf)
+@pytest.mark.parametrize("conf", ["join_timeout=soon", "'last_call_timeout=-1'", "lease_ttl",
+                                  "'lease_ttl=x'", "'typo=1,lease_ttl=0'"])
+@pytest.mark.parametrize("backend", ["c10d", "etcd"])
+def test_a_known_key_with_a_bad_value_is_still_an_error_and_the_only_line(
+    conf: str, backend: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bad value ends the start with one line: no warning about the quotes or an unknown
+    key before it (a fuzzed command line found the warning printed first)."""
+    with caplog.at_level(logging.WARNING), pytest.raises(RendezvousConfigError):
+        if backend == "c10d":
+            make_c10d_config(endpoint="localhost", run_id="j", nnodes="2", rdzv_conf=conf)
+        else:
+            parse_rdzv_conf(conf)
+    assert caplog.records == []
 
 
 @pytest.mark.etcd

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+import aiohttp
 import anyio
 from anyio.abc import Process
 
@@ -66,6 +67,17 @@ class Supervised:
 
     def signal(self, signum: int) -> None:
         self.process.send_signal(signum)
+
+    async def serving(self, timeout: float = 15.0) -> int:
+        """Wait until its health server answers (it starts after the first launch, its
+        imports off the loop: the port is listening before that); return the port."""
+        port = int((await self.err.expect(r"health endpoint on http://[^:]+:(\d+)",
+                                          timeout)).group(1))
+        client = aiohttp.ClientTimeout(total=timeout)
+        async with (aiohttp.ClientSession(timeout=client) as session,
+                    session.get(f"http://127.0.0.1:{port}/healthz") as response):
+            await response.read()  # the kernel held the connection until it served
+        return port
 
     async def wait(self, timeout: float = 30.0) -> int:
         with anyio.fail_after(timeout):
