@@ -30,6 +30,7 @@ from supervisor.workers.warm.forkserver import (
 )
 from tests.support import deps
 from tests.support.paths import REPO, WORKERS
+from tests.support.users import as_user, python_for
 
 DRIVER = str(WORKERS / "forkserver_driver.py")
 PROBE = str(WORKERS / "fork_probe.py")
@@ -44,24 +45,6 @@ def node_env(**extra: str) -> dict[str, str]:
                                                       str(REPO)]))
     env.update(extra)
     return env
-
-
-def as_user(user: str) -> list[str]:
-    return [shutil.which("setpriv") or "setpriv", f"--reuid={user}", f"--regid={user}",
-            "--clear-groups", "--"]
-
-
-def python_for(user: str) -> str | None:
-    """An interpreter of this Python version that ``user`` may run (a venv under /root's
-    pyenv is not one), with our site-packages on its path through PYTHONPATH."""
-    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
-    for python in (sys.executable, shutil.which(version) or "", f"/usr/bin/{version}"):
-        # run by one of its own children: setpriv itself may still cross /root
-        again = "import os, sys; os.execv(sys.executable, [sys.executable, '-c', ''])"
-        if python and subprocess.run([*as_user(user), python, "-c", again], timeout=30,
-                                     capture_output=True).returncode == 0:
-            return python
-    return None
 
 
 def drive(config: dict[str, Any], *, user: str | None = None,
