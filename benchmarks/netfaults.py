@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from tests.support import netjob
+from tests.support.netlab import sweep_stale, unavailable
 
-from tests.support import netjob  # noqa: E402
-from tests.support.netlab import sweep_stale, unavailable  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 CASES = ("cut", "cut-restart", "member", "outage", "lossy")
 
