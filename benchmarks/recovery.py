@@ -12,7 +12,7 @@ records; the phases of that time come from the same records (new interpreter run
 
 - ours cold (``--no-warm-restart``), ours warm, ours warm with
   ``--preload torch,torch._dynamo``, ours warm with ``--preload auto`` (its crashes come
-  10 s into each attempt: auto's standbys start 5.5 s after a launch);
+  at --crash-after or 10 s, whichever is later: auto's standbys start 5.5 s after a launch);
 - torchrun ``--standalone`` and torchrun static (``--rdzv-backend static``), same job.
 
 torchrun's restarts of this job often fail (the restarted ranks read the previous
@@ -197,14 +197,16 @@ def collect(cell: Cell, out: Path, ranks: int, crashes: int) -> int:
     return found
 
 
-def cells() -> list[Cell]:
+def cells(crash_after: float) -> list[Cell]:
+    """The cells; auto's crash comes at ``--crash-after`` or 10 s, whichever is later."""
     return [
         Cell("ours cold", "ours", ("--no-warm-restart",)),
         Cell("ours warm", "ours"),
         Cell("ours warm + preload", "ours", ("--preload", "torch,torch._dynamo")),
         # auto's standbys start 5.5 s after a launch (a warm worker records its imports
         # 1 and 5 s after it started), then import at idle priority: crashes come later
-        Cell("ours warm + preload auto", "ours", ("--preload", "auto"), crash_after=10.0),
+        Cell("ours warm + preload auto", "ours", ("--preload", "auto"),
+             crash_after=max(10.0, crash_after)),
         Cell("torchrun standalone", "torchrun"),
         Cell("torchrun static", "torchrun"),
     ]
@@ -236,7 +238,7 @@ def main() -> int:
     for ranks in (int(r) for r in a.ranks.split(",")):
         for mode in a.crashes.split(","):
             kill = mode == "kill"
-            for cell in cells():
+            for cell in cells(a.crash_after):
                 if a.only and cell.name not in a.only.split(","):
                     continue
                 started = time.monotonic()
