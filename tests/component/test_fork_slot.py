@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
+import anyio.to_thread
 import pytest
 
 from supervisor.core.envs import PER_ATTEMPT_ENV, interpreter
@@ -66,6 +67,22 @@ async def test_a_dead_server_is_replaced_by_the_next_prepare(tmp_path: Path) -> 
         assert slot.failures["died"] == 1
         assert await slot.prepare(good)
         assert slot.server is not None and slot.server.pid != first.pid
+
+
+async def test_a_fork_asked_of_a_server_just_killed_says_how_it_died(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The next fork is often what finds a dead server, before its exit can be read: the
+    warning still says how it died (a CI run said only "fork refused: ... exited")."""
+    async with running_slot() as slot:
+        assert await slot.prepare(config(tmp_path, "xml.dom.minidom"))
+        first = slot.server
+        assert first is not None
+        os.kill(first.pid, signal.SIGKILL)  # no wait: the fork comes at once
+        assert await anyio.to_thread.run_sync(slot.fork, {}, None, 0) is None
+        assert slot.failures["died"] == 1
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert f"fork server (pid {first.pid}) died: killed by signal 9" in warnings[0], warnings
 
 
 async def test_a_tainted_package_is_left_out_of_the_next_server(tmp_path: Path) -> None:

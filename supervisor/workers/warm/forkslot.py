@@ -16,6 +16,7 @@ running, names its module: that top-level package is left out of every later ser
 from __future__ import annotations
 
 import logging
+import select
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -36,6 +37,7 @@ from supervisor.workers.warm.forkserver import (
 logger = logging.getLogger(__name__)
 
 MAX_FAILURES = 5  # servers that failed in a run before the slot gives up (cold starts)
+EXIT_WAIT = 1.0  # s a refused fork waits to learn whether the server has exited
 READY_TIMEOUT = 600.0  # s a preload may take (torch on a loaded 2-core machine: ~10 s)
 
 
@@ -195,9 +197,13 @@ class ForkSlot:
             forked = server.fork(env, cpus, local_rank)
         except ForkServerError as exc:
             self.server = None
+            # a server killed since its last fork is most often found here, by the next
+            # fork: say why it died, as _prepare would have (not just "it exited")
+            died = _exited(server, within=EXIT_WAIT)
+            text = (f"fork server (pid {server.pid}) died: {_exit_text(server)}" if died
+                    else f"fork server (pid {server.pid}): {exc}")
             self._discard(server)
-            self._failed("died" if server.process.poll_exit() is not None else "fork",
-                         f"fork server (pid {server.pid}): {exc}")
+            self._failed("died" if died else "fork", text)
             return None
         return forked  # the pool registers it with the guardian
 
@@ -258,6 +264,20 @@ def _same_place(a: ForkServerConfig, b: ForkServerConfig) -> bool:
     """Whether standbys forked by a server for ``a`` run ``b``'s command as a cold start
     would: same interpreter, node environment, working directory and ``sys.path[0]``."""
     return (a.python, a.env, a.cwd, a.path0) == (b.python, b.env, b.cwd, b.path0)
+
+
+def _exited(server: ForkServer, within: float) -> bool:
+    """Whether the server has exited, waiting up to ``within`` s for it (on a worker
+    thread): a refused fork often comes a moment before the exit can be read."""
+    if server.process.poll_exit() is not None:
+        return True
+    try:
+        poller = select.poll()
+        poller.register(server.process.pidfd, select.POLLIN)
+        poller.poll(within * 1000)
+    except (OSError, ValueError):  # its pidfd already closed
+        pass
+    return server.process.poll_exit() is not None
 
 
 def _exit_text(server: ForkServer) -> str:
