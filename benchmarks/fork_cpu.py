@@ -19,7 +19,6 @@ The machine's own ``import torch`` time is printed next to the figures.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -31,9 +30,9 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.harness import BIN, BenchError, ensure_bytecode, launcher_env, log
+from benchmarks.harness import BIN, BenchError, ensure_bytecode, launcher_env, log, sched_seconds
+from tests.support.eventlog import read_events
 
-TICK = os.sysconf("SC_CLK_TCK")
 READY = re.compile(r"fork server \(pid (\d+)\) ready")
 
 
@@ -43,23 +42,10 @@ def worker(hold: float) -> int:
     return 1 if os.environ["LOCAL_RANK"] == "0" else 0
 
 
-def spent(pid: int) -> float:
+def spent(server: psutil.Process) -> float:
     """The fork server's CPU (ns clock, all its threads) + its reaped children's (ticks)."""
-    own = time.clock_gettime(((~pid) << 3) | 2)
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    children = (int(fields[13]) + int(fields[14])) / TICK  # cutime, cstime
-    return own + children
-
-
-def attempts_started(events: Path) -> list[float]:
-    """The monotonic time of every ``group_started`` so far."""
-    if not events.exists():
-        return []
-    found = []
-    for line in events.read_text().splitlines():
-        if '"group_started"' in line:
-            found.append(json.loads(line)["mono"])
-    return found
+    children = server.cpu_times()  # children_user, children_system: the reaped ones
+    return sched_seconds([server]) + children.children_user + children.children_system
 
 
 def one(ranks: int, attempts: int, hold: float, preload: str) -> dict[str, float]:
@@ -83,12 +69,12 @@ def one(ranks: int, attempts: int, hold: float, preload: str) -> dict[str, float
                                      f"{(root / 'err').read_text()[-2000:]}")
                 if not server and (m := READY.search((root / "err").read_text())):
                     server = int(m.group(1))
-                started = attempts_started(events)
+                started = [e["mono"] for e in read_events(events, "group_started")]
                 for attempt in (1, attempts - 1):
                     if attempt in samples or len(started) <= attempt:
                         continue
                     if time.monotonic() >= started[attempt] + hold / 2 and server:
-                        samples[attempt] = spent(server)
+                        samples[attempt] = spent(psutil.Process(server))
                 time.sleep(0.05)
             per = (samples[attempts - 1] - samples[1]) / (attempts - 2)
             rss = psutil.Process(server).memory_info().rss

@@ -384,7 +384,7 @@ async def test_schemathesis_against_a_real_daemon_finds_no_5xx_or_contract_viola
             "--max-restarts", "100000", "--restart-backoff", "0.2:0.2", "--log-dir",
             str(tmp_path), FAKE_WORKER, "--exit", "3", "--fail-rank", "1", "--hang"]
     async with supervisor(args) as sup:
-        port = (await sup.err.expect(r"health endpoint on http://[^:]+:(\d+)")).group(1)
+        port = await sup.health_port()
         base = f"http://127.0.0.1:{port}"
         await sup.err.expect(r"restarting the worker group")  # a failure to report
         async with aiohttp.ClientSession() as session, \

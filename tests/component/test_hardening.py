@@ -303,7 +303,7 @@ async def test_daemon_answers_healthz_with_70_idle_connections_open(tmp_path: Pa
     args = ["--health-port", "0", "--health-host", "127.0.0.1", "--log-dir", str(tmp_path),
             FAKE_WORKER, "--hang"]
     async with supervisor(args) as sup:
-        port = int((await sup.err.expect(r"health endpoint on http://[^:]+:(\d+)")).group(1))
+        port = await sup.health_port()
         await sup.out.expect(r"^ready 0 ")
         with anyio.fail_after(10):
             while True:  # served once the first group launched (or 0.5 s passed)

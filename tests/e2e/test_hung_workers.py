@@ -85,8 +85,7 @@ async def test_supervisor_itself_is_never_signalled_by_a_forged_request(tmp_path
 
 
 async def _health(sup: Supervised) -> str:
-    m = await sup.err.expect(r"health endpoint on http://[^:]+:(\d+)")
-    return f"http://127.0.0.1:{m.group(1)}"
+    return f"http://127.0.0.1:{await sup.health_port()}"
 
 
 async def _get_text(url: str) -> str:

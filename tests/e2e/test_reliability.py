@@ -36,8 +36,7 @@ def read_events(path: Path) -> list[dict[str, object]]:
 
 
 async def health_url(sup: Supervised) -> str:
-    m = await sup.err.expect(r"health endpoint on http://[^:]+:(\d+)")
-    return f"http://127.0.0.1:{m.group(1)}"
+    return f"http://127.0.0.1:{await sup.health_port()}"
 
 
 async def get_json(url: str) -> dict[str, object]:

@@ -27,8 +27,7 @@ from tests.support.processes import wait_dead
 
 
 async def health_url(sup: Supervised) -> str:
-    port = (await sup.err.expect(r"health endpoint on http://[^:]+:(\d+)")).group(1)
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{await sup.health_port()}"
 
 
 async def get(url: str) -> tuple[int, dict[str, object]]:

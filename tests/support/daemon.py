@@ -68,11 +68,16 @@ class Supervised:
     def signal(self, signum: int) -> None:
         self.process.send_signal(signum)
 
+    async def health_port(self, timeout: float = 15.0) -> int:
+        """The port its log says the health endpoint listens on (bound, maybe not yet
+        served: a request waits in the kernel's queue until it is)."""
+        found = await self.err.expect(r"health endpoint on http://[^:]+:(\d+)", timeout)
+        return int(found.group(1))
+
     async def serving(self, timeout: float = 15.0) -> int:
         """Wait until its health server answers (it starts after the first launch, its
         imports off the loop: the port is listening before that); return the port."""
-        port = int((await self.err.expect(r"health endpoint on http://[^:]+:(\d+)",
-                                          timeout)).group(1))
+        port = await self.health_port(timeout)
         client = aiohttp.ClientTimeout(total=timeout)
         async with (aiohttp.ClientSession(timeout=client) as session,
                     session.get(f"http://127.0.0.1:{port}/healthz") as response):
