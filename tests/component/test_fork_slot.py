@@ -17,7 +17,7 @@ import pytest
 
 from supervisor.core.envs import PER_ATTEMPT_ENV, interpreter
 from supervisor.workers.spawn import DeathSignal
-from supervisor.workers.warm.forkserver import ForkServerConfig
+from supervisor.workers.warm.forkserver import ForkServerConfig, Wanted
 from supervisor.workers.warm.forkslot import ForkSlot
 from tests.support.paths import REPO
 
@@ -63,7 +63,7 @@ async def test_a_dead_server_is_replaced_by_the_next_prepare(tmp_path: Path) -> 
         assert first is not None
         os.kill(first.pid, signal.SIGKILL)
         os.waitid(os.P_PIDFD, first.process.pidfd, os.WEXITED | os.WNOWAIT)
-        assert slot.fork({}, None, 0) is None  # the rank starts cold
+        assert slot.fork([Wanted(0, {})]) is None  # the rank starts cold
         assert slot.failures["died"] == 1
         assert await slot.prepare(good)
         assert slot.server is not None and slot.server.pid != first.pid
@@ -78,7 +78,7 @@ async def test_a_fork_asked_of_a_server_just_killed_says_how_it_died(
         first = slot.server
         assert first is not None
         os.kill(first.pid, signal.SIGKILL)  # no wait: the fork comes at once
-        assert await anyio.to_thread.run_sync(slot.fork, {}, None, 0) is None
+        assert await anyio.to_thread.run_sync(slot.fork, [Wanted(0, {})]) is None
         assert slot.failures["died"] == 1
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings

@@ -5,7 +5,8 @@ becomes a child subreaper, which the test process must not).
 
 CONFIG: ``argv`` (the worker's command), ``ranks``, ``env`` (the node's), ``cwd``,
 ``preload``, ``watch``, ``cold`` (spawn each rank cold instead), ``per_rank`` (extra
-variables of rank N: ``{"N": {...}}``), ``per_attempt`` (applied at the hand-off).
+variables of rank N: ``{"N": {...}}``), ``per_attempt`` (applied at the hand-off),
+``cpus`` (CPUs of rank N: ``{"N": [...]}``).
 Prints one JSON line per event: ``{"ready": report}``, ``{"rank": N, "pid": P, "exit":
 CODE}``, and ``{"driver": PID, "server": PID}``.
 """
@@ -17,7 +18,12 @@ import sys
 from supervisor.core.envs import interpreter
 from supervisor.workers.guardian import set_child_subreaper
 from supervisor.workers.spawn import DeathSignal, WorkerSpec, spawn_worker
-from supervisor.workers.warm.forkserver import ForkServer, ForkServerConfig, cold_path0
+from supervisor.workers.warm.forkserver import (
+    ForkServer,
+    ForkServerConfig,
+    Wanted,
+    cold_path0,
+)
 from supervisor.workers.warm.standby import Standby
 
 
@@ -56,14 +62,18 @@ def main() -> int:
     say(driver=os.getpid(), server=server.pid)
     report = server.wait_ready(120)
     say(ready={"ok": report.ok, "error": report.error, "tainted": report.tainted,
-               "threaded": report.threaded, "skipped": report.skipped})
+               "threaded": report.threaded, "skipped": report.skipped,
+               "huge_mib": report.huge_mib})
     if not report.ok:
         server.stop()
         return 0
+    envs = [rank_env(config, rank) for rank in range(config["ranks"])]
+    cpus = {int(rank): tuple(c) for rank, c in config.get("cpus", {}).items()}
+    batch = server.fork([Wanted(rank, env, cpus.get(rank)) for rank, env in enumerate(envs)])
     forked = []
-    for rank in range(config["ranks"]):
-        env = rank_env(config, rank)
-        forked.append((rank, env, server.fork(env, local_rank=rank)))
+    for (rank, env), one in zip(enumerate(envs), batch, strict=True):
+        assert one is not None, f"rank {rank} was not forked"
+        forked.append((rank, env, one))
     if config.get("stop_server_first"):
         server.stop()
     for rank, env, standby_of in forked:

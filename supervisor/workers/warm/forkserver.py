@@ -45,6 +45,7 @@ PROGRAM = Path(__file__).with_name("forkserver_main.py")
 NAMESPACE = "__elastic_forkserver__"  # ``__name__`` of the program: also how tools know it
 FORK_TIMEOUT = 5.0  # seconds a fork request may take before the server is given up
 MAX_REPORT = 1 << 20
+MAX_BATCH = 64  # standbys in one request (forkserver_main.MAX_BATCH: its descriptors)
 
 
 class ForkServerError(OSError):
@@ -72,6 +73,7 @@ class ForkServerReport(msgspec.Struct, frozen=True):
     tainted: str | None = None  # top-level package that read a watched name
     threaded: str | None = None  # module after whose import a thread was left running
     skipped: list[str] = []
+    huge_mib: int = 0  # its preload's memory now in huge pages (cheaper forks)
 
 
 @dataclass(eq=False)
@@ -92,6 +94,16 @@ class ForkedProcess:
         if self.returncode is None:  # unreaped: the pid is still this process's
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """One standby to fork: its rank's environment (the per-attempt names left out) and
+    CPUs."""
+
+    local_rank: int
+    env: Mapping[str, str]
+    cpus: tuple[int, ...] | None = None
 
 
 @dataclass(eq=False)
@@ -124,6 +136,20 @@ def cold_path0(command: Sequence[str], cwd: str | None, env: Mapping[str, str]) 
         return ""
     script = command[0] if command else ""
     return os.path.dirname(os.path.realpath(os.path.join(here, script)))
+
+
+def _pids(data: bytes, asked: int) -> list[int | None]:
+    """The pids of a fork reply, in the request's order (None: not forked);
+    ForkServerError if it has none."""
+    try:
+        reply = marshal.loads(data) if data else {"error": "the fork server exited"}
+    except (ValueError, EOFError, TypeError) as exc:
+        raise ForkServerError(f"unreadable reply: {exc}") from exc
+    pids = reply.get("pids") if isinstance(reply, dict) else None
+    if not isinstance(pids, dict) or not pids \
+            or not all(isinstance(p, int) and p > 0 for p in pids.values()):
+        raise ForkServerError(str(reply.get("error") if isinstance(reply, dict) else reply))
+    return [pids.get(index) for index in range(asked)]
 
 
 def is_fork_server_command(argv: Sequence[str]) -> bool:
@@ -213,39 +239,57 @@ class ForkServer:
         return (self.report is not None and self.report.ok and self.sock.fileno() >= 0
                 and self.process.poll_exit() is None)
 
-    def fork(self, env: Mapping[str, str], cpus: tuple[int, ...] | None = None,
-             local_rank: int = -1, timeout: float = FORK_TIMEOUT) -> Forked:
-        """Fork a standby with ``env`` (what differs per rank applied in the child);
-        raises ForkServerError if the server cannot (it is then of no further use)."""
+    def fork(self, wanted: Sequence[Wanted], timeout: float = FORK_TIMEOUT
+             ) -> list[Forked | None]:
+        """Fork a standby for each of ``wanted`` in one request (what differs per rank
+        applied in each child): in ``wanted``'s order, None for one the server could not
+        fork. Raises ForkServerError if the server cannot (it is then of no further use)."""
         if not self.usable:
             raise ForkServerError("the fork server is not ready")
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        forked: list[Forked | None] = []
+        for start in range(0, len(wanted), MAX_BATCH):
+            forked += self._fork_batch(wanted[start:start + MAX_BATCH], timeout)
+        return forked
+
+    def _fork_batch(self, wanted: Sequence[Wanted], timeout: float) -> list[Forked | None]:
+        pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in wanted]
         try:
-            request = marshal.dumps({"env": dict(env), "cpus": list(cpus) if cpus else None})
+            request = marshal.dumps({"standbys": [
+                {"env": dict(w.env), "cpus": list(w.cpus) if w.cpus else None}
+                for w in wanted]})
             self.sock.settimeout(timeout)
-            socket.send_fds(self.sock, [request], [theirs.fileno()])
+            socket.send_fds(self.sock, [request], [theirs.fileno() for _, theirs in pairs])
             data = self.sock.recv(MAX_REPORT)
         except OSError as exc:
-            ours.close()
+            for ours, _ in pairs:
+                ours.close()
             raise ForkServerError(f"the fork server did not answer: {exc}") from exc
         finally:
-            theirs.close()
+            for _, theirs in pairs:
+                theirs.close()
             with contextlib.suppress(OSError):
                 self.sock.settimeout(None)
         try:
-            reply = marshal.loads(data) if data else {"error": "the fork server exited"}
-            pid = reply.get("pid") if isinstance(reply, dict) else None
-            if not isinstance(pid, int):
-                raise ForkServerError(str(reply.get("error") if isinstance(reply, dict)
-                                          else reply))
-            return Forked(self._adopt(pid, env, cpus, local_rank), ours)
-        except (ValueError, EOFError, TypeError, ForkServerError) as exc:
-            ours.close()
+            pids = _pids(data, len(wanted))
+        except ForkServerError as exc:
+            for ours, _ in pairs:
+                ours.close()
             raise ForkServerError(f"fork refused: {exc}") from exc
+        forked: list[Forked | None] = []
+        for want, (ours, _), pid in zip(wanted, pairs, pids, strict=True):
+            try:
+                if pid is None:
+                    raise ForkServerError("the intermediate child could not fork it")
+                forked.append(Forked(self._adopt(pid, want), ours))
+            except ForkServerError as exc:
+                logger.warning("standby for local rank %d not forked: %s", want.local_rank,
+                               exc)
+                ours.close()
+                forked.append(None)
+        return forked
 
     @staticmethod
-    def _adopt(pid: int, env: Mapping[str, str], cpus: tuple[int, ...] | None,
-               local_rank: int) -> Worker:
+    def _adopt(pid: int, want: Wanted) -> Worker:
         """Pin the reported pid and check it is our child (so the pid cannot be recycled
         before we reap it)."""
         try:
@@ -255,7 +299,7 @@ class ForkServer:
         if parent_of(pid) != os.getpid():
             os.close(pidfd)
             raise ForkServerError(f"standby {pid} is not our child (are we a subreaper?)")
-        spec = WorkerSpec(local_rank, -1, [], dict(env), cpus=cpus)
+        spec = WorkerSpec(want.local_rank, -1, [], dict(want.env), cpus=want.cpus)
         return Worker(spec, ForkedProcess(pid), pidfd, time.monotonic(), time.time())
 
     def stop(self) -> None:

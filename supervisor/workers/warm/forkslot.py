@@ -19,7 +19,7 @@ import logging
 import select
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 
 import anyio
 from anyio.abc import TaskStatus
@@ -32,6 +32,7 @@ from supervisor.workers.warm.forkserver import (
     ForkServerConfig,
     ForkServerError,
     ForkServerReport,
+    Wanted,
 )
 
 logger = logging.getLogger(__name__)
@@ -180,21 +181,22 @@ class ForkSlot:
         old, self.server = self.server, pending
         self._failed_for = None
         self.ready_at = time.monotonic()
-        logger.info("fork server (pid %d) ready: preloaded %s in %.2f s", pending.pid,
+        logger.info("fork server (pid %d) ready: preloaded %s in %.2f s%s", pending.pid,
                     ",".join([*config.preload, *(["auto"] if config.auto_names else [])]),
-                    self.ready_at - pending.started_at)
+                    self.ready_at - pending.started_at,
+                    f" ({report.huge_mib} MiB in huge pages)" if report.huge_mib else "")
         if old is not None:
             self._discard(old)  # the standbys it forked are ours and stay
 
-    def fork(self, env: Mapping[str, str], cpus: tuple[int, ...] | None,
-             local_rank: int) -> Forked | None:
-        """A standby forked for ``local_rank`` (in a worker thread); None if the server
-        cannot (then the rank starts cold, and the next ``prepare`` replaces it)."""
+    def fork(self, wanted: Sequence[Wanted]) -> list[Forked | None] | None:
+        """Standbys forked for ``wanted`` (in a worker thread), in its order, None for one
+        the server could not fork; None if the server cannot fork at all (then those ranks
+        start cold, and the next ``prepare`` replaces it)."""
         server = self.server
         if server is None:
             return None
         try:
-            forked = server.fork(env, cpus, local_rank)
+            forked = server.fork(wanted)
         except ForkServerError as exc:
             self.server = None
             # a server killed since its last fork is most often found here, by the next
@@ -205,7 +207,7 @@ class ForkSlot:
             self._discard(server)
             self._failed("died" if died else "fork", text)
             return None
-        return forked  # the pool registers it with the guardian
+        return forked  # the pool registers them with the guardian
 
     def close(self) -> None:
         """Stop the servers (the standbys they forked are the pool's to discard)."""

@@ -31,7 +31,7 @@ from supervisor.core.snapshot import ProgressTable
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.spawn import SPAWNER, DeathSignal, Spawner, Start, Worker, WorkerSpec
 from supervisor.workers.warm import autopreload
-from supervisor.workers.warm.forkserver import ForkServerConfig, cold_path0
+from supervisor.workers.warm.forkserver import ForkServerConfig, Wanted, cold_path0
 from supervisor.workers.warm.forkslot import ForkSlot
 from supervisor.workers.warm.memory import MemorySample, MemorySampler
 from supervisor.workers.warm.standby import (
@@ -465,25 +465,43 @@ class WarmPool:
             exclude=frozenset(self.auto_excluded), watch=(*PER_ATTEMPT_ENV, *PER_RANK_ENV),
         )
 
-    def _fork(self, want: _Wanted) -> Standby | None:
-        """A standby forked for ``want`` (in a worker thread); None: the rank starts cold.
-        A rank whose environment is not the node's gets a started one."""
+    def _fork(self, wanted: list[_Wanted]) -> list[Standby | None]:
+        """Standbys forked for ``wanted`` in one request (in a worker thread), in its
+        order; None: that rank starts cold."""
+        assert self.forks is not None
+        server = self.forks.server
+        for want in wanted:
+            self._forked.discard(want.rank)
+        forked = None if server is None else self.forks.fork(
+            [Wanted(w.rank, w.env, w.cpus) for w in wanted])
+        if server is None or forked is None:
+            return [None] * len(wanted)
+        standbys: list[Standby | None] = []
+        config = server.config
+        for want, one in zip(wanted, forked, strict=True):
+            if one is None:
+                standbys.append(None)
+                continue
+            logger.debug("standby for local rank %d forked as pid %d by the fork server "
+                         "(pid %d)", want.rank, one.process.pid, server.pid)
+            self._forked.add(want.rank)
+            self._forked_from[want.rank] = server.pid
+            standbys.append(Standby(one.process, one.sock, interpreter(self.python),
+                                    want.env, (*config.preload, *config.auto_names)))
+        return standbys
+
+    def _split(self, wanted: list[_Wanted]) -> tuple[list[_Wanted], list[_Wanted]]:
+        """Those of ``wanted`` the ready fork server forks, and those that get a started
+        standby: a rank whose environment is not the node's, or every rank without the
+        fork server. While forking, none starts without a ready server (cold starts)."""
+        if not self.forking:
+            return [], wanted
         assert self.forks is not None
         server = self.forks.server
         if server is None:
-            return None
-        if fork_mismatch(server.config.env, want.env) is not None:
-            return self._spawn_started(want)
-        forked = self.forks.fork(want.env, want.cpus, want.rank)
-        if forked is None:
-            return None
-        config = server.config
-        logger.debug("standby for local rank %d forked as pid %d by the fork server "
-                     "(pid %d)", want.rank, forked.process.pid, server.pid)
-        self._forked.add(want.rank)
-        self._forked_from[want.rank] = server.pid
-        return Standby(forked.process, forked.sock, interpreter(self.python), want.env,
-                       (*config.preload, *config.auto_names))
+            return [], []
+        forked = [w for w in wanted if fork_mismatch(server.config.env, w.env) is None]
+        return forked, [w for w in wanted if w not in forked]
 
     async def start_tasks(self, tg: TaskGroup) -> None:
         """The run-long tasks of the fork server: its slot, the memory sampler."""
@@ -570,8 +588,10 @@ class WarmPool:
         return plan
 
     async def _start(self, plan: StandbyPlan) -> None:
-        """Start the planned standbys one at a time: each once the one before it has
-        reported (started, and done preloading) or ``STAGGER`` s after it started.
+        """Start the planned standbys: those the fork server can fork in one request
+        (they set themselves up one after another: ``forkserver_main._fork_each``), the
+        others one at a time, each once the one before it has reported (started, and done
+        preloading) or ``STAGGER`` s after it started.
 
         Each spawn runs on the spawner thread (the loop stays responsive). One at a time
         because a new process, or thread, is not yet behind the workers in the kernel's
@@ -584,30 +604,41 @@ class WarmPool:
         plan.started = True
         async with anyio.create_task_group() as tg:
             try:
-                for want in plan.wanted:
+                forkable, others = self._split(plan.wanted)
+                if forkable:
+                    for standby in await self.spawner.spawn(self._fork, forkable):
+                        if standby is not None:
+                            self._register(standby, tg)
+                for want in others:
                     if plan.halted:
                         break
-                    standby = await self.spawner.spawn(self._spawn, want)
-                    if standby is None:
+                    started = await self.spawner.spawn(self._spawn_started, want)
+                    if started is None:
                         break
-                    if standby.local_rank in self.standbys:  # another plan's came first
-                        self._discard(standby)
-                        continue
-                    self.standbys[standby.local_rank] = standby
-                    if self.guardian is not None:
-                        self.guardian.watch(standby.pid)
-                    logger.debug("standby for local rank %d started as pid %d",
-                                 standby.local_rank, standby.pid)
-                    reported = anyio.Event()
-                    tg.start_soon(self._watch_report, standby, reported)
+                    reported = self._register(started, tg)
                     with anyio.move_on_after(STAGGER) as plan.pause:
-                        if not plan.halted:
+                        if not plan.halted and reported is not None:
                             await reported.wait()
                     plan.pause = None
             finally:
                 plan.done.set()
                 if plan in self._plans:
                     self._plans.remove(plan)
+
+    def _register(self, standby: Standby, tg: TaskGroup) -> anyio.Event | None:
+        """Keep a new standby for its rank and watch for its report (the event is set when
+        it comes); None: another plan's standby for the rank came first, this one goes."""
+        if standby.local_rank in self.standbys:
+            self._discard(standby)
+            return None
+        self.standbys[standby.local_rank] = standby
+        if self.guardian is not None:
+            self.guardian.watch(standby.pid)
+        logger.debug("standby for local rank %d started as pid %d",
+                     standby.local_rank, standby.pid)
+        reported = anyio.Event()
+        tg.start_soon(self._watch_report, standby, reported)
+        return reported
 
     async def _watch_report(self, standby: Standby, reported: anyio.Event) -> None:
         """Hear the standby's report the moment it comes: started (and preloaded), or
@@ -652,13 +683,6 @@ class WarmPool:
                 and retries < TAINT_RETRIES:
             self._taint_retries[rank] = retries + 1
             await self._start(self._plan(attempt))  # without it now
-
-    def _spawn(self, want: _Wanted) -> Standby | None:
-        """Start one standby (in a worker thread); None if it cannot be started."""
-        self._forked.discard(want.rank)
-        if self.forking:
-            return self._fork(want)
-        return self._spawn_started(want)
 
     def _spawn_started(self, want: _Wanted) -> Standby | None:
         """Start one standby as a process of its own (its own preload)."""
