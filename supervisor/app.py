@@ -81,8 +81,7 @@ from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreape
 from supervisor.workers.output import OutputPlan, OutputSpecError
 from supervisor.workers.spawn import SPAWNER, DeathSignal
 from supervisor.workers.topology import cpus_for
-from supervisor.workers.warm.forkslot import ForkSlot
-from supervisor.workers.warm.pool import NullPool, Pool, WarmPool
+from supervisor.workers.warm.base import NullPool, Pool
 
 logger = logging.getLogger(__name__)
 
@@ -355,16 +354,24 @@ def make_pool(
     *,
     fork_server: bool = False,
 ) -> Pool:
-    """The warm pool (``--no-warm-restart``: none, every attempt starts cold).
+    """The warm pool (``--no-warm-restart``: none, every attempt starts cold; nor where
+    no attempt can follow the first and nothing is preloaded: its code is not even
+    imported then).
 
     ``fork_server``: with ``--preload``, standbys are forked from one fork server per
     node; only where we are a child subreaper (the daemon), so that a forked standby is
     reparented to us. The embedded API keeps standbys that import for themselves."""
-    if settings.no_warm_restart:
+    second_attempt = settings.max_restarts > 0 or rendezvous.capabilities.membership_can_change
+    if settings.no_warm_restart or not (second_attempt or settings.preload):
         return NullPool()
+    from supervisor.workers.warm.pool import WarmPool
+
     python = environ.get("PYTHON_EXEC", sys.executable)
-    forks = (ForkSlot(death=death, prefix=interpreter(python), guardian=guardian)
-             if fork_server and settings.preload and not settings.no_fork_server else None)
+    forks = None
+    if fork_server and settings.preload and not settings.no_fork_server:
+        from supervisor.workers.warm.forkslot import ForkSlot
+
+        forks = ForkSlot(death=death, prefix=interpreter(python), guardian=guardian)
     return WarmPool(
         settings, python=python, death=death,
         progress=progress,

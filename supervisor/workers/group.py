@@ -41,7 +41,7 @@ from supervisor.workers.spawn import (
     wait_exit,
 )
 from supervisor.workers.stop import stop_group
-from supervisor.workers.warm.pool import NullPool, Pool, Preview
+from supervisor.workers.warm.base import NullPool, Pool, Preview
 
 logger = logging.getLogger(__name__)
 

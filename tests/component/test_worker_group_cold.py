@@ -18,7 +18,7 @@ from supervisor.rendezvous.base import RendezvousResult
 from supervisor.workers.group import WorkerGroup
 from supervisor.workers.output import OutputPlan
 from supervisor.workers.spawn import DeathSignal, Start
-from supervisor.workers.warm.pool import NullPool
+from supervisor.workers.warm.base import NullPool
 from tests.support.paths import FAKE_WORKER
 
 ROUND = RendezvousResult(round=1, group_rank=0, group_world_size=1, rank_offset=0,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
@@ -31,9 +31,8 @@ from supervisor.core.snapshot import ProgressTable
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.spawn import SPAWNER, DeathSignal, Spawner, Start, Worker, WorkerSpec
 from supervisor.workers.warm import autopreload
+from supervisor.workers.warm.base import NullPool, Pool, Preview
 from supervisor.workers.warm.forkserver import ForkServerConfig, Wanted, cold_path0
-from supervisor.workers.warm.forkslot import ForkSlot
-from supervisor.workers.warm.memory import MemorySample, MemorySampler
 from supervisor.workers.warm.standby import (
     PER_ATTEMPT_ENV,
     Standby,
@@ -46,6 +45,10 @@ from supervisor.workers.warm.standby import (
 
 if TYPE_CHECKING:
     from supervisor.workers.group import Attempt
+    from supervisor.workers.warm.forkslot import ForkSlot
+    from supervisor.workers.warm.memory import MemorySample, MemorySampler
+
+__all__ = ["NullPool", "Pool", "Preview", "WarmPool"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,106 +59,6 @@ AUTO_SETTLE = 5.5  # s after a launch: a warm worker has recorded its imports at
 # s a restart waits for a fork server still importing when this node has not yet seen what
 # a cold start costs (no progress shown): a preload that hangs delays one restart by this
 UNKNOWN_COLD_WAIT = 60.0
-
-
-class Pool(Protocol):
-    """What the worker group needs of a pool of standbys."""
-
-    def begin(self, attempt: Attempt) -> None:
-        """``attempt`` is about to start its ranks (``take`` serves it)."""
-
-    def take(self, spec: WorkerSpec) -> Worker | None:
-        """The rank's worker started in its standby; None: start it cold."""
-
-    def cold_start(self, local_rank: int) -> Start:
-        """How a rank ``take`` gave no worker for starts (cold, and why if it had one)."""
-
-    def launched(self, attempt: Attempt) -> None:
-        """``attempt``'s ranks are started (standbys without preloading are planned now)."""
-
-    async def run(self, attempt: Attempt) -> None:
-        """Start the standbys for the attempt after ``attempt``, when due."""
-
-    async def halt(self, attempt: Attempt | None = None) -> None:
-        """Start no further standby; wait for the spawn in flight. ``attempt``: the one
-        stopping (what it showed of rank 0's store is learned)."""
-
-    def pids(self) -> set[int]:
-        """The standbys' pids (a group's sweep must not kill them)."""
-
-    def close(self) -> None:
-        """Kill and reap every standby."""
-
-    async def start_tasks(self, tg: TaskGroup) -> None:
-        """Start the pool's run-long tasks (the fork server's) in the root task group."""
-
-    def warm_up(self, preview: Preview | None) -> None:
-        """Prepare what the first attempt (or its restart) will need (before the
-        rendezvous)."""
-
-    async def settle(self) -> None:
-        """Before a restart's launch: have the standbys that are still to come (the fork
-        server importing) when waiting for them is sooner than starting cold."""
-
-    def memory(self) -> MemorySample | None:
-        """The last reading of the fork server's and the forked standbys' memory."""
-
-    def fork_failures(self) -> dict[str, int]:
-        """Fork servers that failed in this run, by reason."""
-
-
-class NullPool:
-    """No standbys: every worker starts cold (``--no-warm-restart``)."""
-
-    def begin(self, attempt: Attempt) -> None:
-        return None
-
-    def take(self, spec: WorkerSpec) -> Worker | None:
-        return None
-
-    def cold_start(self, local_rank: int) -> Start:
-        return Start()
-
-    def launched(self, attempt: Attempt) -> None:
-        return None
-
-    async def run(self, attempt: Attempt) -> None:
-        return None
-
-    async def halt(self, attempt: Attempt | None = None) -> None:
-        return None
-
-    def pids(self) -> set[int]:
-        return set()
-
-    def close(self) -> None:
-        return None
-
-    async def start_tasks(self, tg: TaskGroup) -> None:
-        return None
-
-    def warm_up(self, preview: Preview | None) -> None:
-        return None
-
-    async def settle(self) -> None:
-        return None
-
-    def memory(self) -> MemorySample | None:
-        return None
-
-    def fork_failures(self) -> dict[str, int]:
-        return {}
-
-
-@dataclass(frozen=True)
-class Preview:
-    """The first attempt's ranks as the worker group can tell them before the rendezvous:
-    rank 0's command, every rank's environment (per-attempt values are placeholders) and
-    CPUs."""
-
-    argv: list[str]
-    envs: list[dict[str, str]]
-    cpus: list[tuple[int, ...] | None]
 
 
 @dataclass
@@ -210,7 +113,11 @@ class WarmPool:
         self.spawner = spawner  # forks every started standby (spawn.Spawner says why)
         # the node's fork server (--preload under the daemon): standbys are forked from it
         self.forks = forks
-        self.sampler = MemorySampler(self.memory_targets) if forks is not None else None
+        self.sampler: MemorySampler | None = None
+        if forks is not None:  # the fork server's modules: only for runs that use it
+            from supervisor.workers.warm.memory import MemorySampler
+
+            self.sampler = MemorySampler(self.memory_targets)
         self._forked: set[int] = set()  # local ranks whose standby was forked
         self._forked_from: dict[int, int] = {}  # local rank -> pid of the server it came from
         self._node_auto: list[str] | None = None  # --preload auto: learned for the node
