@@ -15,14 +15,16 @@ Protocol (SOCK_SEQPACKET on fd 0, one marshalled dict per message):
    inherits the forking thread's scheduling class, and the main thread never leaves
    ``SCHED_OTHER``), with every read of a ``watch`` name through ``os.environ`` watched,
    then checks that no thread is left (``/proc/self/task``) and that no device was
-   initialised, and answers with its report.
-2. Each fork request carries the standby's environment and CPUs, with the standby's end of
-   its socket pair as ``SCM_RIGHTS``. The server forks only from its main thread, only
-   with no other thread, and double-forks: the intermediate child exits at once, so the
-   standby is reparented to the supervisor (a child subreaper), calls ``setsid``, sets its
-   death signal once ``getppid()`` shows the supervisor, and then waits for its worker as
-   a started standby does (``R`` on its socket, the same go message). The server answers
-   with the standby's pid.
+   initialised, collapses a large preload into huge pages (``_collapse``: cheaper forks),
+   and answers with its report.
+2. A fork request carries each standby's environment and CPUs (``standbys``), with each
+   standby's end of its socket pair as ``SCM_RIGHTS``. The server forks only from its main
+   thread, only with no other thread, and double-forks: one intermediate child forks every
+   standby of the request and exits, so each is reparented to the supervisor (a child
+   subreaper), calls ``setsid``, tells the server its index and pid, sets its death
+   signal once ``getppid()`` shows the supervisor, and then waits for its worker as a
+   started standby does (``R`` on its socket, the same go message). The server answers
+   with the pids by index.
 3. EOF on fd 0: the server exits. The standbys it forked are not its children and live on.
 """
 
