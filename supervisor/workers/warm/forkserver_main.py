@@ -119,7 +119,10 @@ def _preload(config: "dict[str, Any]", _thread: "Any") -> "dict[str, Any]":
                 pass
             result.update(_import_all(config))
             if result["ok"]:
-                result["huge_mib"] = _collapse()
+                try:
+                    result["huge_mib"] = _collapse()
+                except Exception:  # only forks' cost: never a reason to refuse the preload
+                    result["huge_mib"] = 0
         except BaseException as exc:
             result.update(ok=False, error=f"preloading failed: {type(exc).__name__}: {exc}")
         finally:
