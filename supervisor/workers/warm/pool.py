@@ -6,8 +6,9 @@ follow (so standbys are worth their memory), when to start them (at once, or wit
 settle), one at a time, hearing each one's report, replacing one an ``auto`` preload
 tainted, and learning whether rank 0 hosts a store the warm ranks should wait for. The
 worker group asks it for a rank's worker (``take``) and tells it when an attempt begins,
-was launched and stops; ``NullPool`` is the pool of ``--no-warm-restart`` (and of tests
-of the group alone). The rules are in docs/design.md ("Warm restarts").
+was launched and stops; ``base.NullPool`` is the pool of ``--no-warm-restart``, of runs
+that can have no second attempt, and of tests of the group alone. The rules are in
+docs/design.md ("Warm restarts").
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from supervisor.core.snapshot import ProgressTable
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.spawn import SPAWNER, DeathSignal, Spawner, Start, Worker, WorkerSpec
 from supervisor.workers.warm import autopreload
-from supervisor.workers.warm.base import NullPool, Pool, Preview
+from supervisor.workers.warm.base import Preview
 from supervisor.workers.warm.forkserver import ForkServerConfig, Wanted, cold_path0
 from supervisor.workers.warm.standby import (
     PER_ATTEMPT_ENV,
@@ -47,8 +48,6 @@ if TYPE_CHECKING:
     from supervisor.workers.group import Attempt
     from supervisor.workers.warm.forkslot import ForkSlot
     from supervisor.workers.warm.memory import MemorySample, MemorySampler
-
-__all__ = ["NullPool", "Pool", "Preview", "WarmPool"]
 
 logger = logging.getLogger(__name__)
 
