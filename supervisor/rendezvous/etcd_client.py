@@ -10,8 +10,12 @@ backoff until the outage is ``retry_window`` seconds old (0: one pass; None: for
 it lasts) before raising ``EtcdUnavailable``. An outage starts with the first pass in which
 no endpoint answered and ends with the next answer, whichever call gets it; ``reachability``
 says where it stands and ``on_reachability`` hears each change. The client then sticks to
-the endpoint that answered. ``stats`` counts requests, txn conflicts, retries and watch
-events (for the scale benchmark and the cost model). Passwords and tokens are never logged.
+the endpoint that answered. With ``hedge_after`` set, a member that has not answered a
+call within that many seconds does not hold it up: the next member is asked as well and
+the first answer wins (a member isolated without an error otherwise costs a whole
+``timeout`` per call until a failure moves the client on). ``stats`` counts requests, txn
+conflicts, retries and watch events (for the scale benchmark and the cost model).
+Passwords and tokens are never logged.
 """
 
 from __future__ import annotations
@@ -138,7 +142,8 @@ class EtcdStats:
     txns: int = 0
     txn_conflicts: int = 0  # txns whose comparisons did not hold
     watches_opened: int = 0  # watch streams opened, reconnects included
-    watch_events: int = 0  # events received on every watch stream
+    watch_events: int = 0  # events delivered by every watch (each once)
+    watch_duplicates: int = 0  # events a watch's second stream brought again (dropped)
     watch_bytes: int = 0  # bytes of the values those events carried
     by_path: Counter[str] = field(default_factory=Counter)
 
@@ -278,12 +283,14 @@ class EtcdClient:
         password: str | None = None,
         retry_window: float | None = 0.0,
         on_reachability: ReachabilityHook | None = None,
+        hedge_after: float | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is required")
         self.endpoints = tuple(e.rstrip("/") for e in endpoints)
         self.timeout = timeout
         self.retry_window = retry_window
+        self.hedge_after = hedge_after
         self.stats = EtcdStats()
         self.reachability = Reachability()
         self.on_reachability = on_reachability
@@ -410,29 +417,27 @@ class EtcdClient:
         return await self._post_once(endpoint, path, body, await self._headers(endpoint))
 
     async def call(self, path: str, body: JsonDict, *,
-                   retry_window: float | Literal["default"] | None = "default") -> JsonDict:
+                   retry_window: float | Literal["default"] | None = "default",
+                   hedge: bool = True) -> JsonDict:
         """POST ``body`` to ``path`` on the first endpoint that answers; the raw JSON reply.
-        ``retry_window`` overrides the client's for this call.
+        ``retry_window`` overrides the client's for this call. With ``hedge_after`` set
+        (and ``hedge``), a member that has not answered within it does not hold the call
+        up: the next member is asked too, and the first answer wins (``_pass_hedged``).
 
         A mutation that timed out on one member may have been applied before the next member
-        is asked; callers guard mutations with txn comparisons.
+        is asked (or, hedged, applied twice); callers guard mutations with txn comparisons
+        or make them idempotent.
         """
         window = self.retry_window if retry_window == "default" else retry_window
+        hedged = hedge and self.hedge_after is not None and len(self.endpoints) > 1
         delay = 0.05
         while True:
-            failures: list[str] = []
-            for endpoint in self._rotation():
-                try:
-                    data = await self._post_authenticated(endpoint, path, body)
-                except _EndpointDown as exc:
-                    logger.debug("etcd %s%s failed: %s", endpoint, path, exc)
-                    self.stats.failed_attempts += 1
-                    failures.append(f"{endpoint}: {exc}")
-                    self.endpoint_health(endpoint).failed()
-                    self._avoid(endpoint)
-                    continue
-                self.endpoint_health(endpoint).answered()
-                self._prefer(endpoint)
+            if hedged:
+                assert self.hedge_after is not None
+                data, failures = await self._pass_hedged(path, body, self.hedge_after)
+            else:
+                data, failures = await self._pass(path, body)
+            if data is not None:
                 self._reached()
                 return data
             self._unreached("; ".join(failures))
@@ -444,6 +449,65 @@ class EtcdClient:
                     f"no etcd endpoint answered {path}{waited} ({'; '.join(failures)})")
             await anyio.sleep(min(delay, remaining))  # all failed: back off, then a new pass
             delay = min(delay * 2, 1.0)
+
+    async def _ask(self, endpoint: str, path: str, body: JsonDict) -> JsonDict:
+        """One attempt on one member, noting in its health what the attempt showed."""
+        try:
+            data = await self._post_authenticated(endpoint, path, body)
+        except _EndpointDown as exc:
+            logger.debug("etcd %s%s failed: %s", endpoint, path, exc)
+            self.stats.failed_attempts += 1
+            self.endpoint_health(endpoint).failed()
+            self._avoid(endpoint)
+            raise
+        self.endpoint_health(endpoint).answered()
+        self._prefer(endpoint)
+        return data
+
+    async def _pass(self, path: str, body: JsonDict) -> tuple[JsonDict | None, list[str]]:
+        """Every member in turn until one answers: its reply (None if none did) and the
+        failures on the way."""
+        failures: list[str] = []
+        for endpoint in self._rotation():
+            try:
+                return await self._ask(endpoint, path, body), failures
+            except _EndpointDown as exc:
+                failures.append(f"{endpoint}: {exc}")
+        return None, failures
+
+    async def _pass_hedged(self, path: str, body: JsonDict, after: float
+                           ) -> tuple[JsonDict | None, list[str]]:
+        """Like ``_pass``, but the next member is asked as soon as the previous one failed
+        or ``after`` seconds passed without its answer, the earlier ones still running:
+        the first answer wins and the others are cancelled. A member that is cut off
+        without an error (its traffic dropped) then costs ``after``, not ``timeout``.
+        A member's refusal (``EtcdError``, e.g. lease not found) is an answer too."""
+        replies: list[JsonDict] = []
+        refusals: list[EtcdError] = []
+        failures: list[str] = []
+
+        async def ask(endpoint: str, failed: anyio.Event, done: anyio.CancelScope) -> None:
+            try:
+                replies.append(await self._ask(endpoint, path, body))
+            except _EndpointDown as exc:
+                failures.append(f"{endpoint}: {exc}")
+                failed.set()
+                return
+            except EtcdError as exc:
+                refusals.append(exc)
+            done.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for endpoint in list(self._rotation()):  # a list: the asks move the rotation
+                failed = anyio.Event()
+                tg.start_soon(ask, endpoint, failed, tg.cancel_scope)
+                with anyio.move_on_after(after):
+                    await failed.wait()
+        if replies:
+            return replies[0], failures
+        if refusals:
+            raise refusals[0]
+        return None, failures
 
     async def get(self, key: str) -> KeyValue | None:
         """The key, or None if it does not exist."""
@@ -494,7 +558,9 @@ class EtcdClient:
     async def lease_grant(self, ttl: int, *, retry_window: float | Literal["default"] | None
                           = "default") -> tuple[int, int]:
         """A new lease; ``(lease_id, granted_ttl)`` (etcd may raise a too-small TTL)."""
-        data = await self.call("/v3/lease/grant", {"TTL": str(ttl)}, retry_window=retry_window)
+        # not hedged: a second grant would leave a lease nobody refreshes (for a TTL)
+        data = await self.call("/v3/lease/grant", {"TTL": str(ttl)}, retry_window=retry_window,
+                               hedge=False)
         return int(data["ID"]), int(data["TTL"])
 
     async def lease_keepalive(self, lease_id: int) -> int:
@@ -509,16 +575,19 @@ class EtcdClient:
         """Revoke the lease, deleting every key bound to it."""
         await self.call("/v3/lease/revoke", {"ID": str(lease_id)})
 
-    def watch(self, key: str, *, prefix: bool = False, start_revision: int) -> Watch:
+    def watch(self, key: str, *, prefix: bool = False, start_revision: int,
+              on_live: Callable[[bool], None] | None = None) -> Watch:
         """Watch the key (or prefix) from ``start_revision``: ``async with client.watch(...)
-        as w: async for events in w``. Reconnects to any endpoint, resuming after the last
-        event, for up to ``retry_window`` seconds per outage; then ``EtcdUnavailable``.
-        After an outage it raises ``etcd_watch.WatchResync``: re-read, then watch again
-        from the fresh revision. See ``etcd_watch`` for how a watch notices that its
-        member went quiet."""
+        as w: async for events in w``. With more than one endpoint the watch keeps streams
+        on two members and delivers each event once; a stream reconnects to any endpoint,
+        resuming after the last event delivered, for up to ``retry_window`` seconds per
+        outage; then ``EtcdUnavailable``. After an outage it raises
+        ``etcd_watch.WatchResync``: re-read, then watch again from the fresh revision.
+        ``on_live`` hears the watch's liveness whenever a stream opens or closes. See
+        ``etcd_watch`` for how a watch notices that a member went quiet."""
         from supervisor.rendezvous.etcd_watch import Watch
 
-        return Watch(self, _key_range(key, prefix), start_revision)
+        return Watch(self, _key_range(key, prefix), start_revision, on_live=on_live)
 
     # what the client learnt about each member (watches follow it, see etcd_watch)
 

@@ -132,12 +132,16 @@ class LeaseKeeper:
         self.given_up.set()
 
     async def revoke(self) -> None:
-        """Stop refreshing and revoke, so this node's keys vanish now (best effort)."""
+        """Stop refreshing and revoke, so this node's keys vanish now (best effort). The
+        revoke goes to every member, one ``hedge_after`` apart, until one answers (a member
+        cut off without an error must not delay the leave); a lease already gone (revoked
+        by the first of two asks, or expired) counts as revoked."""
         self._stopped.set()
         if not self.id or self.given_up.is_set():
             return
         try:
-            await self._client.call("/v3/lease/revoke", {"ID": str(self.id)}, retry_window=0)
+            await self._client.call("/v3/lease/revoke", {"ID": str(self.id)}, retry_window=0,
+                                    hedge=True)
         except EtcdLeaseNotFound:
             pass
         except EtcdError as exc:
