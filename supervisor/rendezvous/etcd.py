@@ -53,6 +53,7 @@ from supervisor.rendezvous.etcd_client import (
     JsonDict,
     Reachability,
     compare,
+    hedge_delay,
     put_op,
 )
 from supervisor.rendezvous.etcd_config import (
@@ -90,11 +91,6 @@ logger = logging.getLogger(__name__)
 
 _CAS_ATTEMPTS = 50
 PEER_LEARNING_BOUND = 1.0  # seconds a completed round may spend reading its peers' URLs
-# A member silent for this long no longer holds a request up: the next one is asked too
-# (a member isolated without an error would otherwise cost the whole request timeout of
-# the leave's revoke, or of the leader's txn that makes the others see a change). A
-# healthy member answers in milliseconds; a duplicate costs one request, guarded as any.
-HEDGE_AFTER = 0.2
 _Done = tuple[list[Member], tuple[str, int]]  # a finished round: members, (addr, port)
 EventHook = Callable[..., object]  # EventLog.emit(kind, **fields)
 
@@ -132,7 +128,7 @@ class EtcdRendezvous:
                                   tls=config.tls, user=config.user, password=config.password,
                                   retry_window=config.outage_limit,
                                   on_reachability=self._on_reachability,
-                                  hedge_after=min(HEDGE_AFTER, timeout / 4))
+                                  hedge_after=hedge_delay(timeout))
         self._lease = LeaseKeeper(self._client, config.lease_ttl, self._lease_replaced)
         self._leader = Leader(self._client, self._keys, self._policy, self._lease,
                               config.node_id)

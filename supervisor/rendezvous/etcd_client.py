@@ -50,6 +50,17 @@ JsonDict = dict[str, Any]
 _RETRY_ELSEWHERE = frozenset({1, 4, 14})
 _UNAUTHENTICATED = 16
 _OPS = {"=": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
+# The agents' hedge: a member silent for this long no longer holds a request up, the next
+# one is asked too (a member isolated without an error would otherwise cost a whole
+# request timeout: of the leave's revoke, of the leader's txn that makes the others see a
+# change). A healthy member answers in milliseconds; a duplicate costs one request,
+# guarded like any retry.
+HEDGE_AFTER = 0.2
+
+
+def hedge_delay(timeout: float) -> float:
+    """The agents' ``hedge_after`` for a client with this request ``timeout``."""
+    return min(HEDGE_AFTER, timeout / 4)
 
 
 class EtcdError(Exception):
@@ -418,25 +429,29 @@ class EtcdClient:
 
     async def call(self, path: str, body: JsonDict, *,
                    retry_window: float | Literal["default"] | None = "default",
-                   hedge: bool = True) -> JsonDict:
+                   hedge_after: float | Literal["default"] | None = "default",
+                   attempt_timeout: float | None = None) -> JsonDict:
         """POST ``body`` to ``path`` on the first endpoint that answers; the raw JSON reply.
-        ``retry_window`` overrides the client's for this call. With ``hedge_after`` set
-        (and ``hedge``), a member that has not answered within it does not hold the call
-        up: the next member is asked too, and the first answer wins (``_pass_hedged``).
+        ``retry_window`` and ``hedge_after`` override the client's for this call. With a
+        ``hedge_after``, a member that has not answered within it does not hold the call
+        up: the next member is asked too, and the first answer wins (``_pass_hedged``;
+        0: every member at once; None: one member after the other). ``attempt_timeout``
+        bounds each attempt below ``timeout`` (for an idempotent call that is better asked
+        again: etcd drops a proposal made while a member has no raft leader, and the
+        request then waits out its timeout even after a leader is elected).
 
         A mutation that timed out on one member may have been applied before the next member
         is asked (or, hedged, applied twice); callers guard mutations with txn comparisons
         or make them idempotent.
         """
         window = self.retry_window if retry_window == "default" else retry_window
-        hedged = hedge and self.hedge_after is not None and len(self.endpoints) > 1
+        hedge = self.hedge_after if hedge_after == "default" else hedge_after
         delay = 0.05
         while True:
-            if hedged:
-                assert self.hedge_after is not None
-                data, failures = await self._pass_hedged(path, body, self.hedge_after)
+            if hedge is not None and len(self.endpoints) > 1:
+                data, failures = await self._pass_hedged(path, body, hedge, attempt_timeout)
             else:
-                data, failures = await self._pass(path, body)
+                data, failures = await self._pass(path, body, attempt_timeout)
             if data is not None:
                 self._reached()
                 return data
@@ -450,33 +465,39 @@ class EtcdClient:
             await anyio.sleep(min(delay, remaining))  # all failed: back off, then a new pass
             delay = min(delay * 2, 1.0)
 
-    async def _ask(self, endpoint: str, path: str, body: JsonDict) -> JsonDict:
-        """One attempt on one member, noting in its health what the attempt showed."""
+    async def _ask(self, endpoint: str, path: str, body: JsonDict,
+                   timeout: float | None = None) -> JsonDict:
+        """One attempt on one member (bounded by ``timeout`` too, if given), noting in its
+        health what the attempt showed."""
         try:
-            data = await self._post_authenticated(endpoint, path, body)
-        except _EndpointDown as exc:
-            logger.debug("etcd %s%s failed: %s", endpoint, path, exc)
+            with anyio.fail_after(timeout):
+                data = await self._post_authenticated(endpoint, path, body)
+        except (_EndpointDown, TimeoutError) as exc:
+            logger.debug("etcd %s%s failed: %s", endpoint, path, _describe(exc))
             self.stats.failed_attempts += 1
             self.endpoint_health(endpoint).failed()
             self._avoid(endpoint)
+            if isinstance(exc, TimeoutError):
+                raise _EndpointDown(f"no answer in {timeout:g}s") from exc
             raise
         self.endpoint_health(endpoint).answered()
         self._prefer(endpoint)
         return data
 
-    async def _pass(self, path: str, body: JsonDict) -> tuple[JsonDict | None, list[str]]:
+    async def _pass(self, path: str, body: JsonDict, timeout: float | None = None
+                    ) -> tuple[JsonDict | None, list[str]]:
         """Every member in turn until one answers: its reply (None if none did) and the
         failures on the way."""
         failures: list[str] = []
         for endpoint in self._rotation():
             try:
-                return await self._ask(endpoint, path, body), failures
+                return await self._ask(endpoint, path, body, timeout), failures
             except _EndpointDown as exc:
                 failures.append(f"{endpoint}: {exc}")
         return None, failures
 
-    async def _pass_hedged(self, path: str, body: JsonDict, after: float
-                           ) -> tuple[JsonDict | None, list[str]]:
+    async def _pass_hedged(self, path: str, body: JsonDict, after: float,
+                           timeout: float | None = None) -> tuple[JsonDict | None, list[str]]:
         """Like ``_pass``, but the next member is asked as soon as the previous one failed
         or ``after`` seconds passed without its answer, the earlier ones still running:
         the first answer wins and the others are cancelled. A member that is cut off
@@ -488,7 +509,7 @@ class EtcdClient:
 
         async def ask(endpoint: str, failed: anyio.Event, done: anyio.CancelScope) -> None:
             try:
-                replies.append(await self._ask(endpoint, path, body))
+                replies.append(await self._ask(endpoint, path, body, timeout))
             except _EndpointDown as exc:
                 failures.append(f"{endpoint}: {exc}")
                 failed.set()
@@ -501,8 +522,9 @@ class EtcdClient:
             for endpoint in list(self._rotation()):  # a list: the asks move the rotation
                 failed = anyio.Event()
                 tg.start_soon(ask, endpoint, failed, tg.cancel_scope)
-                with anyio.move_on_after(after):
-                    await failed.wait()
+                if after > 0:
+                    with anyio.move_on_after(after):
+                        await failed.wait()
         if replies:
             return replies[0], failures
         if refusals:
@@ -560,7 +582,7 @@ class EtcdClient:
         """A new lease; ``(lease_id, granted_ttl)`` (etcd may raise a too-small TTL)."""
         # not hedged: a second grant would leave a lease nobody refreshes (for a TTL)
         data = await self.call("/v3/lease/grant", {"TTL": str(ttl)}, retry_window=retry_window,
-                               hedge=False)
+                               hedge_after=None)
         return int(data["ID"]), int(data["TTL"])
 
     async def lease_keepalive(self, lease_id: int) -> int:
