@@ -116,13 +116,14 @@ class Watch:
         count = min(STREAMS, len(client.endpoints))
         self._streams = [WatchStream(client, key_range, self.check_interval)
                          for _ in range(count)]
-        self._send: MemoryObjectSendStream[_Item]
-        self._receive: MemoryObjectReceiveStream[_Item]
-        self._send, self._receive = anyio.create_memory_object_stream[_Item](BACKLOG)
+        # made on entry: an unclosed memory stream warns when collected
+        self._send: MemoryObjectSendStream[_Item] | None = None
+        self._receive: MemoryObjectReceiveStream[_Item] | None = None
         self._tg: TaskGroup | None = None
         self._error: EtcdError | None = None
 
     async def __aenter__(self) -> Watch:
+        self._send, self._receive = anyio.create_memory_object_stream[_Item](BACKLOG)
         self._tg = anyio.create_task_group()
         await self._tg.__aenter__()
         for slot in range(len(self._streams)):
@@ -145,14 +146,15 @@ class Watch:
         finally:
             for stream in self._streams:
                 stream.close()
-            self._send.close()
-            self._receive.close()
+            for end in (self._send, self._receive):
+                if end is not None:
+                    end.close()
 
     def __aiter__(self) -> Watch:
         return self
 
     async def __anext__(self) -> list[WatchEvent]:
-        if self._tg is None:
+        if self._tg is None or self._receive is None:
             raise RuntimeError("enter the watch (async with) before iterating it")
         while True:
             if self._error is not None:
@@ -161,8 +163,8 @@ class Watch:
             if isinstance(item, EtcdError):
                 self._error = item
                 continue
-            # the merge: a revision's events come in one message, so a batch is either
-            # news from this revision on or a replay the other stream brought first
+            # the merge: etcd sends all of a revision's events in one message, so a filter
+            # on the revision never splits one; what it drops, the other stream brought
             fresh = [ev for ev in item if ev.kv.mod_revision >= self.next_revision]
             stats = self._client.stats
             stats.watch_duplicates += len(item) - len(fresh)
@@ -208,6 +210,7 @@ class Watch:
                     self._streams[slot].close()
                     self._changed()
         except EtcdError as exc:
+            assert self._send is not None
             await self._send.send(exc)
 
     async def _pump(self, slot: int) -> None:
@@ -221,6 +224,7 @@ class Watch:
                 self._check_outage()
                 await self._check_member(slot)
             elif events:
+                assert self._send is not None
                 await self._send.send(events)
 
     def _changed(self) -> None:
