@@ -580,9 +580,9 @@ class EtcdClient:
     async def lease_grant(self, ttl: int, *, retry_window: float | Literal["default"] | None
                           = "default") -> tuple[int, int]:
         """A new lease; ``(lease_id, granted_ttl)`` (etcd may raise a too-small TTL)."""
-        # not hedged: a second grant would leave a lease nobody refreshes (for a TTL)
-        data = await self.call("/v3/lease/grant", {"TTL": str(ttl)}, retry_window=retry_window,
-                               hedge_after=None)
+        # hedged like any call: a grant answered twice leaves a lease with no key bound to
+        # it and nobody refreshing it, which etcd expires after its TTL; harmless
+        data = await self.call("/v3/lease/grant", {"TTL": str(ttl)}, retry_window=retry_window)
         return int(data["ID"]), int(data["TTL"])
 
     async def lease_keepalive(self, lease_id: int) -> int:
