@@ -11,7 +11,10 @@ versions of them in CI.
 
 Cases: ``cut`` (node C cut from etcd for each ``--cuts`` length), ``cut-restart`` (the
 same, etcd SIGKILLed and restarted in the middle), ``member`` (one etcd member of three
-isolated: leave, loss and scale-up seen by the others), ``outage`` (etcd gone for every
+isolated: leave, loss and scale-up seen by the others), ``member-leave`` (a node leaves
+right after a member's isolation, before any watch noticed it; the member is a raft
+follower), ``member-leave-leader`` (the same, the isolated member being the raft leader;
+both need etcdctl), ``outage`` (etcd gone for every
 node: ridden out with the same workers), ``lossy`` (5 % of the frames between the nodes
 and etcd dropped: no spurious restart). Prints one JSON object per run and a table.
 """
@@ -28,7 +31,8 @@ from tests.support.netlab import sweep_stale, unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 
-CASES = ("cut", "cut-restart", "member", "outage", "lossy")
+CASES = ("cut", "cut-restart", "member", "member-leave", "member-leave-leader", "outage",
+         "lossy")
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -55,6 +59,9 @@ def one(case: str, args: argparse.Namespace, code: Path, cut: float | None
                                          restart_etcd=case == "cut-restart")
     if case == "member":
         return netjob.isolated_member(ttl=args.ttl, settle=args.settle, code=code)
+    if case.startswith("member-leave"):
+        return netjob.leave_after_isolation(ttl=args.ttl, code=code,
+                                            raft_leader=case == "member-leave-leader")
     if case == "outage":
         return netjob.etcd_down_for_everyone(ttl=args.ttl, outage=args.outage, code=code)
     return netjob.lossy_links(ttl=args.ttl, percent=args.loss, seconds=args.run, code=code)

@@ -53,6 +53,7 @@ from supervisor.rendezvous.etcd_client import (
     JsonDict,
     Reachability,
     compare,
+    hedge_delay,
     put_op,
 )
 from supervisor.rendezvous.etcd_config import (
@@ -126,7 +127,8 @@ class EtcdRendezvous:
         self._client = EtcdClient(config.endpoints, timeout=timeout,
                                   tls=config.tls, user=config.user, password=config.password,
                                   retry_window=config.outage_limit,
-                                  on_reachability=self._on_reachability)
+                                  on_reachability=self._on_reachability,
+                                  hedge_after=hedge_delay(timeout))
         self._lease = LeaseKeeper(self._client, config.lease_ttl, self._lease_replaced)
         self._leader = Leader(self._client, self._keys, self._policy, self._lease,
                               config.node_id)
@@ -180,6 +182,7 @@ class EtcdRendezvous:
                 "requests_answered": r.unreachable_since is None,
                 "watch": {"live": watch_live,
                           "endpoint": self._ctl.watch_endpoint if self._ctl else None,
+                          "endpoints": list(self._ctl.watch_endpoints) if self._ctl else [],
                           "resyncs": self._ctl.resyncs if self._ctl else 0},
                 "cut_off": self._cut_off_reason,
                 "unreachable_for": round(r.outage_age(time.monotonic()), 3),
@@ -332,10 +335,11 @@ class EtcdRendezvous:
                               self._client.reachability.recovered_at)
 
     def _watch_live(self, live: bool) -> None:
-        """The control watch opened or died: /status changes (publish it)."""
+        """A stream of the control watch opened or closed: /status changes (publish it)."""
         if self._lease.id and not self._closed.is_set():
             self._emit("etcd_watch", live=live,
-                       endpoint=self._ctl.watch_endpoint if self._ctl else None)
+                       endpoint=self._ctl.watch_endpoint if self._ctl else None,
+                       endpoints=list(self._ctl.watch_endpoints) if self._ctl else [])
 
     def _cut_off(self, reason: str) -> None:
         """The cut-off rule says this node is out of the job (``core.partition``): its

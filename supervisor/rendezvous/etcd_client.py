@@ -10,8 +10,12 @@ backoff until the outage is ``retry_window`` seconds old (0: one pass; None: for
 it lasts) before raising ``EtcdUnavailable``. An outage starts with the first pass in which
 no endpoint answered and ends with the next answer, whichever call gets it; ``reachability``
 says where it stands and ``on_reachability`` hears each change. The client then sticks to
-the endpoint that answered. ``stats`` counts requests, txn conflicts, retries and watch
-events (for the scale benchmark and the cost model). Passwords and tokens are never logged.
+the endpoint that answered. With ``hedge_after`` set, a member that has not answered a
+call within that many seconds does not hold it up: the next member is asked as well and
+the first answer wins (a member isolated without an error otherwise costs a whole
+``timeout`` per call until a failure moves the client on). ``stats`` counts requests, txn
+conflicts, retries and watch events (for the scale benchmark and the cost model).
+Passwords and tokens are never logged.
 """
 
 from __future__ import annotations
@@ -46,6 +50,17 @@ JsonDict = dict[str, Any]
 _RETRY_ELSEWHERE = frozenset({1, 4, 14})
 _UNAUTHENTICATED = 16
 _OPS = {"=": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
+# The agents' hedge: a member silent for this long no longer holds a request up, the next
+# one is asked too (a member isolated without an error would otherwise cost a whole
+# request timeout: of the leave's revoke, of the leader's txn that makes the others see a
+# change). A healthy member answers in milliseconds; a duplicate costs one request,
+# guarded like any retry.
+HEDGE_AFTER = 0.2
+
+
+def hedge_delay(timeout: float) -> float:
+    """The agents' ``hedge_after`` for a client with this request ``timeout``."""
+    return min(HEDGE_AFTER, timeout / 4)
 
 
 class EtcdError(Exception):
@@ -138,7 +153,8 @@ class EtcdStats:
     txns: int = 0
     txn_conflicts: int = 0  # txns whose comparisons did not hold
     watches_opened: int = 0  # watch streams opened, reconnects included
-    watch_events: int = 0  # events received on every watch stream
+    watch_events: int = 0  # events delivered by every watch (each once)
+    watch_duplicates: int = 0  # events a watch's second stream brought again (dropped)
     watch_bytes: int = 0  # bytes of the values those events carried
     by_path: Counter[str] = field(default_factory=Counter)
 
@@ -278,12 +294,14 @@ class EtcdClient:
         password: str | None = None,
         retry_window: float | None = 0.0,
         on_reachability: ReachabilityHook | None = None,
+        hedge_after: float | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is required")
         self.endpoints = tuple(e.rstrip("/") for e in endpoints)
         self.timeout = timeout
         self.retry_window = retry_window
+        self.hedge_after = hedge_after
         self.stats = EtcdStats()
         self.reachability = Reachability()
         self.on_reachability = on_reachability
@@ -410,29 +428,31 @@ class EtcdClient:
         return await self._post_once(endpoint, path, body, await self._headers(endpoint))
 
     async def call(self, path: str, body: JsonDict, *,
-                   retry_window: float | Literal["default"] | None = "default") -> JsonDict:
+                   retry_window: float | Literal["default"] | None = "default",
+                   hedge_after: float | Literal["default"] | None = "default",
+                   attempt_timeout: float | None = None) -> JsonDict:
         """POST ``body`` to ``path`` on the first endpoint that answers; the raw JSON reply.
-        ``retry_window`` overrides the client's for this call.
+        ``retry_window`` and ``hedge_after`` override the client's for this call. With a
+        ``hedge_after``, a member that has not answered within it does not hold the call
+        up: the next member is asked too, and the first answer wins (``_pass_hedged``;
+        0: every member at once; None: one member after the other). ``attempt_timeout``
+        bounds each attempt below ``timeout`` (for an idempotent call that is better asked
+        again: etcd drops a proposal made while a member has no raft leader, and the
+        request then waits out its timeout even after a leader is elected).
 
         A mutation that timed out on one member may have been applied before the next member
-        is asked; callers guard mutations with txn comparisons.
+        is asked (or, hedged, applied twice); callers guard mutations with txn comparisons
+        or make them idempotent.
         """
         window = self.retry_window if retry_window == "default" else retry_window
+        hedge = self.hedge_after if hedge_after == "default" else hedge_after
         delay = 0.05
         while True:
-            failures: list[str] = []
-            for endpoint in self._rotation():
-                try:
-                    data = await self._post_authenticated(endpoint, path, body)
-                except _EndpointDown as exc:
-                    logger.debug("etcd %s%s failed: %s", endpoint, path, exc)
-                    self.stats.failed_attempts += 1
-                    failures.append(f"{endpoint}: {exc}")
-                    self.endpoint_health(endpoint).failed()
-                    self._avoid(endpoint)
-                    continue
-                self.endpoint_health(endpoint).answered()
-                self._prefer(endpoint)
+            if hedge is not None and len(self.endpoints) > 1:
+                data, failures = await self._pass_hedged(path, body, hedge, attempt_timeout)
+            else:
+                data, failures = await self._pass(path, body, attempt_timeout)
+            if data is not None:
                 self._reached()
                 return data
             self._unreached("; ".join(failures))
@@ -444,6 +464,72 @@ class EtcdClient:
                     f"no etcd endpoint answered {path}{waited} ({'; '.join(failures)})")
             await anyio.sleep(min(delay, remaining))  # all failed: back off, then a new pass
             delay = min(delay * 2, 1.0)
+
+    async def _ask(self, endpoint: str, path: str, body: JsonDict,
+                   timeout: float | None = None) -> JsonDict:
+        """One attempt on one member (bounded by ``timeout`` too, if given), noting in its
+        health what the attempt showed."""
+        try:
+            with anyio.fail_after(timeout):
+                data = await self._post_authenticated(endpoint, path, body)
+        except (_EndpointDown, TimeoutError) as exc:
+            logger.debug("etcd %s%s failed: %s", endpoint, path, _describe(exc))
+            self.stats.failed_attempts += 1
+            self.endpoint_health(endpoint).failed()
+            self._avoid(endpoint)
+            if isinstance(exc, TimeoutError):
+                raise _EndpointDown(f"no answer in {timeout:g}s") from exc
+            raise
+        self.endpoint_health(endpoint).answered()
+        self._prefer(endpoint)
+        return data
+
+    async def _pass(self, path: str, body: JsonDict, timeout: float | None = None
+                    ) -> tuple[JsonDict | None, list[str]]:
+        """Every member in turn until one answers: its reply (None if none did) and the
+        failures on the way."""
+        failures: list[str] = []
+        for endpoint in self._rotation():
+            try:
+                return await self._ask(endpoint, path, body, timeout), failures
+            except _EndpointDown as exc:
+                failures.append(f"{endpoint}: {exc}")
+        return None, failures
+
+    async def _pass_hedged(self, path: str, body: JsonDict, after: float,
+                           timeout: float | None = None) -> tuple[JsonDict | None, list[str]]:
+        """Like ``_pass``, but the next member is asked as soon as the previous one failed
+        or ``after`` seconds passed without its answer, the earlier ones still running:
+        the first answer wins and the others are cancelled. A member that is cut off
+        without an error (its traffic dropped) then costs ``after``, not ``timeout``.
+        A member's refusal (``EtcdError``, e.g. lease not found) is an answer too."""
+        replies: list[JsonDict] = []
+        refusals: list[EtcdError] = []
+        failures: list[str] = []
+
+        async def ask(endpoint: str, failed: anyio.Event, done: anyio.CancelScope) -> None:
+            try:
+                replies.append(await self._ask(endpoint, path, body, timeout))
+            except _EndpointDown as exc:
+                failures.append(f"{endpoint}: {exc}")
+                failed.set()
+                return
+            except EtcdError as exc:
+                refusals.append(exc)
+            done.cancel()
+
+        async with anyio.create_task_group() as tg:
+            for endpoint in list(self._rotation()):  # a list: the asks move the rotation
+                failed = anyio.Event()
+                tg.start_soon(ask, endpoint, failed, tg.cancel_scope)
+                if after > 0:
+                    with anyio.move_on_after(after):
+                        await failed.wait()
+        if replies:
+            return replies[0], failures
+        if refusals:
+            raise refusals[0]
+        return None, failures
 
     async def get(self, key: str) -> KeyValue | None:
         """The key, or None if it does not exist."""
@@ -494,6 +580,8 @@ class EtcdClient:
     async def lease_grant(self, ttl: int, *, retry_window: float | Literal["default"] | None
                           = "default") -> tuple[int, int]:
         """A new lease; ``(lease_id, granted_ttl)`` (etcd may raise a too-small TTL)."""
+        # hedged like any call: a grant answered twice leaves a lease with no key bound to
+        # it and nobody refreshing it, which etcd expires after its TTL; harmless
         data = await self.call("/v3/lease/grant", {"TTL": str(ttl)}, retry_window=retry_window)
         return int(data["ID"]), int(data["TTL"])
 
@@ -509,16 +597,19 @@ class EtcdClient:
         """Revoke the lease, deleting every key bound to it."""
         await self.call("/v3/lease/revoke", {"ID": str(lease_id)})
 
-    def watch(self, key: str, *, prefix: bool = False, start_revision: int) -> Watch:
+    def watch(self, key: str, *, prefix: bool = False, start_revision: int,
+              on_live: Callable[[bool], None] | None = None) -> Watch:
         """Watch the key (or prefix) from ``start_revision``: ``async with client.watch(...)
-        as w: async for events in w``. Reconnects to any endpoint, resuming after the last
-        event, for up to ``retry_window`` seconds per outage; then ``EtcdUnavailable``.
-        After an outage it raises ``etcd_watch.WatchResync``: re-read, then watch again
-        from the fresh revision. See ``etcd_watch`` for how a watch notices that its
-        member went quiet."""
+        as w: async for events in w``. With more than one endpoint the watch keeps streams
+        on two members and delivers each event once; a stream reconnects to any endpoint,
+        resuming after the last event delivered, for up to ``retry_window`` seconds per
+        outage; then ``EtcdUnavailable``. After an outage it raises
+        ``etcd_watch.WatchResync``: re-read, then watch again from the fresh revision.
+        ``on_live`` hears the watch's liveness whenever a stream opens or closes. See
+        ``etcd_watch`` for how a watch notices that a member went quiet."""
         from supervisor.rendezvous.etcd_watch import Watch
 
-        return Watch(self, _key_range(key, prefix), start_revision)
+        return Watch(self, _key_range(key, prefix), start_revision, on_live=on_live)
 
     # what the client learnt about each member (watches follow it, see etcd_watch)
 

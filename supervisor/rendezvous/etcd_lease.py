@@ -27,6 +27,10 @@ from supervisor.rendezvous.etcd_client import (
 
 logger = logging.getLogger(__name__)
 
+# A revoke's attempt: a healthy member answers in milliseconds; one that is electing a
+# leader never answers this attempt (etcd dropped the proposal), so a new one is better.
+REVOKE_ATTEMPT = 0.3
+
 ExpiredHook = Callable[[bool], Awaitable[None]]  # (lost across an outage?) -> restore keys
 
 
@@ -132,12 +136,21 @@ class LeaseKeeper:
         self.given_up.set()
 
     async def revoke(self) -> None:
-        """Stop refreshing and revoke, so this node's keys vanish now (best effort)."""
+        """Stop refreshing and revoke, so this node's keys vanish now (best effort). The
+        revoke goes to every member at once and the first answer ends it (a member cut off
+        without an error must not delay the leave). Each ask is bounded by
+        ``REVOKE_ATTEMPT``: a member without a raft leader drops the proposal and would
+        hold the request for the whole timeout, so the revoke is asked again (backing off
+        as any retry) until the lease would have expired anyway; the caller bounds the
+        wait. A lease already gone (revoked through another member first, or expired)
+        counts as revoked."""
         self._stopped.set()
         if not self.id or self.given_up.is_set():
             return
         try:
-            await self._client.call("/v3/lease/revoke", {"ID": str(self.id)}, retry_window=0)
+            await self._client.call("/v3/lease/revoke", {"ID": str(self.id)},
+                                    retry_window=self.ttl, hedge_after=0.0,
+                                    attempt_timeout=min(REVOKE_ATTEMPT, self._client.timeout))
         except EtcdLeaseNotFound:
             pass
         except EtcdError as exc:

@@ -51,5 +51,5 @@ class EtcdCollector(Collector):
         for key, doc in (("requests", "etcd requests sent, retries included"),
                          ("txn_conflicts", "etcd transactions whose comparisons failed"),
                          ("failed_attempts", "etcd requests to one endpoint that failed"),
-                         ("watch_events", "etcd watch events received")):
+                         ("watch_events", "etcd watch events delivered (each once)")):
             yield CounterMetricFamily(PREFIX + key, doc, value=stats[key])

@@ -1,31 +1,43 @@
 """etcd watches that cannot go blind, and the prefix views built on them.
 
-A watch is one streaming ``POST /v3/watch`` to one member through etcd's JSON gateway.
-Left alone, such a stream says nothing when its member is cut off, has lost its raft
-leader, or was restarted while the network was down (the old connection is then dead on
-etcd's side only): it simply stays silent. Three things keep it honest (measured against
-etcd 3.4, see docs/rendezvous.md, "Watches that cannot go blind"):
+A watch stream (``etcd_stream``) is one streaming ``POST /v3/watch`` to one member through
+etcd's JSON gateway. Left alone, such a stream says nothing when its member is cut off,
+has lost its raft leader, or was restarted while the network was down (the old connection
+is then dead on etcd's side only): it simply stays silent. So a ``Watch`` does not depend
+on one member (measured against etcd 3.4, see docs/rendezvous.md, "Watches that cannot go
+blind"):
 
-- **The leader requirement.** The stream is opened with ``Grpc-Metadata-hasleader: true``,
-  so a member without a leader refuses it at once (``etcdserver: no leader``, ~15 ms)
-  instead of accepting a watch it will never feed.
-- **It follows the requests.** Every ``check_interval`` (the client's request timeout) the
-  watch looks at what the client learnt about its member: when the client's requests
-  moved to another member (the preferred endpoint changed) or the latest request to this
-  member failed, the watch moves too. When no request reached its member for a whole
-  two intervals, it asks the member itself (``EtcdClient.probe``: a linearizable read, which
-  needs the member's leader and quorum). A member that does not answer in time is left.
-- **TCP keepalive** on the stream's socket (idle = the interval, 3 probes): a connection
+- **Two streams on two members.** With more than one endpoint, a watch keeps a second
+  stream open on a member other than the first one's and delivers the merge: every
+  batch goes through one filter that passes only events at or after ``next_revision``
+  (the last delivered revision + 1; etcd sends a revision's events in one message), so
+  each event is delivered once, in order, whichever stream brought it first. When one
+  member goes quiet without an error, the other stream still delivers within
+  milliseconds; the quiet stream is moved by the checks below, resuming from the last
+  delivered revision + 1. With one endpoint there is one stream.
+- **The leader requirement.** Every stream is opened with ``Grpc-Metadata-hasleader:
+  true``, so a member without a leader refuses it at once (``etcdserver: no leader``,
+  ~15 ms) instead of accepting a watch it will never feed.
+- **Each stream checks its member.** Every ``check_interval`` (the client's request
+  timeout) without a message, a stream looks at what the client learnt about its member:
+  when the latest request to it failed, the stream moves; the first stream also follows
+  the requests (when they moved to a member no stream is on). When nothing reached its
+  member for two intervals, it asks the member itself (``EtcdClient.probe``: a
+  linearizable read, which needs the member's leader and quorum). A member that does not
+  answer in time is left.
+- **TCP keepalive** on each stream's socket (idle = the interval, 3 probes): a connection
   whose far end vanished (etcd restarted during a cut, a middlebox forgot it) breaks
   within about two intervals even when no request is in flight.
 
-A watch that moves resumes from the last revision it delivered + 1, so no event is lost
-or repeated. After an outage (no member answered for a while) a watch asks its owner to
-re-read (``WatchResync``): a ``PrefixView`` then reads the whole prefix again and re-opens
-its watch from the fresh revision, so nothing it decides on predates the outage.
+The two streams never sit on the same member. The watch is ``live`` while at least one
+stream is open; ``on_live`` hears the watch's liveness each time a stream opens or closes.
+An outage (no member answered) is declared by the first stream only, and only while the
+second is not open either. After an outage a watch asks its owner to re-read
+(``WatchResync``): a ``PrefixView`` then reads the whole prefix again and re-opens its
+watch from the fresh revision, so nothing it decides on predates the outage.
 The gateway's WebSocket transport would allow progress requests on the stream, but it
 forwards neither the leader header nor the ``Authorization`` header (etcd 3.4's
-grpc-websocket-proxy): so the stream stays a plain POST.
+grpc-websocket-proxy): so the streams stay plain POSTs.
 """
 
 from __future__ import annotations
@@ -34,17 +46,16 @@ import supervisor.lean  # noqa: F401  -- before the first aiohttp import
 
 # isort: split
 import base64
-import json
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from types import TracebackType
 from typing import Literal
 
-import aiohttp
 import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from supervisor.rendezvous.etcd_client import (
     EtcdClient,
@@ -54,20 +65,26 @@ from supervisor.rendezvous.etcd_client import (
     JsonDict,
     KeyValue,
     WatchEvent,
-    _describe,
     _EndpointDown,
     _key_range,
-    _objects,
-    _raise_for_error,
 )
+from supervisor.rendezvous.etcd_stream import (
+    KEEPALIVE_PROBES,
+    LEADER_HEADER,
+    WatchStream,
+    set_keepalive,
+)
+
+__all__ = ["KEEPALIVE_PROBES", "LEADER_HEADER", "LiveHook", "PrefixView", "Watch",
+           "WatchResync", "open_prefix_view", "set_keepalive"]
 
 logger = logging.getLogger(__name__)
 
-LEADER_HEADER = {"Grpc-Metadata-hasleader": "true"}
-KEEPALIVE_PROBES = 3
+STREAMS = 2  # streams per watch, on as many members (fewer endpoints: one per endpoint)
+BACKLOG = 64  # batches read but not yet delivered; a stream that is this far ahead waits
 
-
-LiveHook = Callable[[bool], None]  # the stream went live (True) or dead (False)
+LiveHook = Callable[[bool], None]  # a stream opened or closed: is the watch live now?
+_Item = list[WatchEvent] | EtcdError  # what a stream hands to the watch's reader
 
 
 class WatchResync(EtcdError):
@@ -75,90 +92,144 @@ class WatchResync(EtcdError):
 
 
 class _Quiet(Exception):
-    """The watch's member stopped answering or the client's requests moved elsewhere."""
-
-
-def set_keepalive(sock: socket.socket | None, interval: float) -> None:
-    """TCP keepalive on ``sock``: probes after ``interval`` idle seconds, then every
-    ``interval/3``, given up after ``KEEPALIVE_PROBES``; unacknowledged data also times out
-    after two intervals. Where an option is missing (not Linux), what exists is set."""
-    if sock is None:
-        return
-    idle, every = max(1, round(interval)), max(1, round(interval / 3))
-    options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
-    for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", every),
-                        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
-                        ("TCP_USER_TIMEOUT", int(2 * interval * 1000))):
-        if hasattr(socket, name):
-            options.append((socket.IPPROTO_TCP, getattr(socket, name), value))
-    for level, option, value in options:
-        try:
-            sock.setsockopt(level, option, value)
-        except OSError as exc:  # a socket type without it: the other checks still hold
-            logger.debug("setsockopt(%s, %s) failed: %s", level, option, exc)
+    """The stream's member stopped answering or the client's requests moved elsewhere."""
 
 
 class Watch:
-    """One watch stream; yields batches of events, reconnecting across endpoints.
+    """A watch on a key range that yields batches of events, each event once and in
+    revision order, from one or two streams on different members (module docstring).
 
-    ``check_interval`` (default: the client's request timeout) is how often the watch
-    checks that its member still answers (see the module docstring)."""
+    Use as ``async with Watch(...) as watch: async for events in watch``: the streams open
+    when the block is entered and close when it exits. ``check_interval`` (default: the
+    client's request timeout) is how often a quiet stream checks its member."""
 
     def __init__(self, client: EtcdClient, key_range: JsonDict, start_revision: int, *,
                  check_interval: float | None = None,
                  on_live: LiveHook | None = None) -> None:
         self._client = client
         self._on_live = on_live
-        self._key_range = key_range
         self._probe_key = base64.b64decode(key_range["key"]).decode()
         self.next_revision = start_revision
         self.check_interval = check_interval or client.timeout
-        self.endpoint: str | None = None  # the member the stream is open on
-        self.connected_at: float | None = None  # monotonic; None: not connected
-        self.moves = 0  # times the stream left a member that went quiet
+        self.moves = 0  # times a stream left a member that went quiet
         self._outages_seen = client.reachability.outages
-        self._resp: aiohttp.ClientResponse | None = None
-        self._buffer = b""
-        self._first: list[WatchEvent] | None = None  # read while connecting, not delivered
+        count = min(STREAMS, len(client.endpoints))
+        self._streams = [WatchStream(client, key_range, self.check_interval)
+                         for _ in range(count)]
+        # made on entry: an unclosed memory stream warns when collected
+        self._send: MemoryObjectSendStream[_Item] | None = None
+        self._receive: MemoryObjectReceiveStream[_Item] | None = None
+        self._tg: TaskGroup | None = None
+        self._error: EtcdError | None = None
 
     async def __aenter__(self) -> Watch:
+        self._send, self._receive = anyio.create_memory_object_stream[_Item](BACKLOG)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        for slot in range(len(self._streams)):
+            self._tg.start_soon(self._run_stream, slot)
         return self
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self._disconnect()
+    ) -> bool | None:
+        tg, self._tg = self._tg, None
+        try:
+            if tg is None:
+                return None
+            tg.cancel_scope.cancel()
+            if e is None or isinstance(e, anyio.get_cancelled_exc_class()):
+                return await tg.__aexit__(et, e, tb)
+            # the block's own error goes on as it is, not wrapped in an ExceptionGroup
+            await tg.__aexit__(None, None, None)
+            return None
+        finally:
+            for stream in self._streams:
+                stream.close()
+            for end in (self._send, self._receive):
+                if end is not None:
+                    end.close()
 
     def __aiter__(self) -> Watch:
         return self
 
     async def __anext__(self) -> list[WatchEvent]:
+        if self._tg is None or self._receive is None:
+            raise RuntimeError("enter the watch (async with) before iterating it")
         while True:
-            if self._resp is None:
-                await self._connect_with_retries()
-                self._check_outage()
-            try:
-                events = await self._read_checked()
-            except _EndpointDown as exc:
-                logger.info("etcd watch stream on %s broke (%s); reconnecting",
-                            self.endpoint, exc)
-                self._disconnect()
+            if self._error is not None:
+                raise self._error
+            item = await self._receive.receive()
+            if isinstance(item, EtcdError):
+                self._error = item
                 continue
-            except _Quiet as exc:
-                logger.warning("etcd watch leaves %s: %s", self.endpoint, exc)
-                self.moves += 1
-                self._disconnect()
-                continue
-            if events:
-                self._client.stats.watch_events += len(events)
-                self._client.stats.watch_bytes += sum(len(ev.kv.value) for ev in events)
-                self.next_revision = events[-1].kv.mod_revision + 1
-                return events
+            # the merge: etcd sends all of a revision's events in one message, so a filter
+            # on the revision never splits one; what it drops, the other stream brought
+            fresh = [ev for ev in item if ev.kv.mod_revision >= self.next_revision]
+            stats = self._client.stats
+            stats.watch_duplicates += len(item) - len(fresh)
+            if fresh:
+                stats.watch_events += len(fresh)
+                stats.watch_bytes += sum(len(ev.kv.value) for ev in fresh)
+                self.next_revision = fresh[-1].kv.mod_revision + 1
+                return fresh
 
     @property
     def live(self) -> bool:
         """Whether a stream is open on a member that answers (as far as the checks know)."""
-        return self._resp is not None
+        return any(stream.live for stream in self._streams)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """The members the open streams are on (the first stream's first)."""
+        return tuple(s.endpoint for s in self._streams if s.live and s.endpoint is not None)
+
+    @property
+    def endpoint(self) -> str | None:
+        """A member an open stream is on (the first stream's, if it is open)."""
+        endpoints = self.endpoints
+        return endpoints[0] if endpoints else None
+
+    async def _run_stream(self, slot: int) -> None:
+        """Keep stream ``slot`` open on some member and hand over what it reads, until
+        the watch closes or fails (an error is handed over too)."""
+        try:
+            while True:
+                await self._open(slot)
+                try:
+                    self._check_outage()
+                    await self._pump(slot)
+                except _EndpointDown as exc:
+                    logger.info("etcd watch stream on %s broke (%s); reconnecting",
+                                self._streams[slot].endpoint, exc)
+                except _Quiet as exc:
+                    logger.warning("etcd watch leaves %s: %s", self._streams[slot].endpoint,
+                                   exc)
+                    self.moves += 1
+                finally:
+                    self._streams[slot].close()
+                    self._changed()
+        except EtcdError as exc:
+            assert self._send is not None
+            await self._send.send(exc)
+
+    async def _pump(self, slot: int) -> None:
+        """Hand over each message's events; check the member every quiet interval."""
+        stream = self._streams[slot]
+        while True:
+            events: list[WatchEvent] | None = None
+            with anyio.move_on_after(self.check_interval):
+                events = await stream.read()
+            if events is None:
+                self._check_outage()
+                await self._check_member(slot)
+            elif events:
+                assert self._send is not None
+                await self._send.send(events)
+
+    def _changed(self) -> None:
+        if self._on_live is not None:
+            self._on_live(self.live)
 
     def _check_outage(self) -> None:
         """An outage came and went since the stream last delivered: the owner must re-read
@@ -169,34 +240,24 @@ class Watch:
             self._outages_seen = outages
             raise WatchResync("etcd was unreachable since this watch last delivered")
 
-    def _disconnect(self) -> None:
-        if self._resp is not None:
-            self._resp.close()
-            self._resp = None
-            self._buffer = b""
-            if self.connected_at is not None and self._on_live is not None:
-                self._on_live(False)
-        self.connected_at = None
+    def _sibling(self, slot: int) -> WatchStream | None:
+        others = [s for i, s in enumerate(self._streams) if i != slot]
+        return others[0] if others else None
 
-    async def _read_checked(self) -> list[WatchEvent]:
-        """The next message, checking the member every ``check_interval`` meanwhile."""
-        while True:
-            with anyio.move_on_after(self.check_interval):
-                return await self._read_message()
-            self._check_outage()
-            await self._check_member()
-
-    async def _check_member(self) -> None:
-        """Raise ``_Quiet`` if this stream's member should be left (module docstring)."""
-        client, endpoint = self._client, self.endpoint
+    async def _check_member(self, slot: int) -> None:
+        """Raise ``_Quiet`` if stream ``slot``'s member should be left (module docstring)."""
+        client, endpoint = self._client, self._streams[slot].endpoint
         assert endpoint is not None
         health = client.endpoint_health(endpoint)
-        if client.preferred != endpoint and not client.endpoint_health(client.preferred).failing:
-            raise _Quiet(f"requests moved to {client.preferred}")
+        preferred = client.preferred
+        # the first stream follows the requests; the second stands elsewhere on purpose
+        if slot == 0 and preferred not in self.endpoints \
+                and not client.endpoint_health(preferred).failing:
+            raise _Quiet(f"requests moved to {preferred}")
         if health.failing:
             raise _Quiet("its latest request failed")
-        # the lease keepalive (every TTL/3) usually answers for the member: probe only
-        # when nothing did for two intervals
+        # the lease keepalive (every TTL/3) usually answers for the first stream's member:
+        # probe only when nothing did for two intervals
         if time.monotonic() - health.last_ok > 2 * self.check_interval:
             try:
                 await client.probe(endpoint, self._probe_key)
@@ -204,111 +265,53 @@ class Watch:
                 client._avoid(endpoint)
                 raise _Quiet(f"it did not answer a read in {client.timeout:g}s ({exc})") from exc
 
-    async def _connect_with_retries(self) -> None:
-        client, delay = self._client, 0.05
+    def _candidates(self, slot: int) -> list[str]:
+        """Where stream ``slot`` may open: every member but the other stream's, the first
+        stream starting at the member requests go to, the second at the one after it."""
+        rotation = list(self._client._rotation())
+        if slot > 0:
+            rotation = rotation[1:] + rotation[:1]
+        sibling = self._sibling(slot)
+        taken = sibling.endpoint if sibling is not None else None
+        return [endpoint for endpoint in rotation if endpoint != taken]
+
+    async def _open(self, slot: int) -> None:
+        """Open stream ``slot`` on the first candidate member that takes it. When none
+        does: while the other stream is open, or for the second stream, back off and try
+        again; the first stream alone declares the outage and gives up after the client's
+        ``retry_window``."""
+        client, stream, delay = self._client, self._streams[slot], 0.05
         window = client.retry_window
         if window is not None:
             window = max(window, client.timeout)
         while True:
             failures: list[str] = []
-            for endpoint in client._rotation():
+            for endpoint in self._candidates(slot):
                 try:
-                    await self._connect(endpoint)
+                    await stream.connect(endpoint, self.next_revision)
                 except _EndpointDown as exc:
                     failures.append(f"{endpoint}: {exc}")
                     client.endpoint_health(endpoint).failed()
                     client._avoid(endpoint)
                     continue
-                client._prefer(endpoint)
+                if slot == 0:
+                    client._prefer(endpoint)
+                self._changed()
                 return
-            # A watch that connects proves little, so only failures count towards the
-            # outage; the next unary answer ends it.
-            client._unreached("; ".join(failures))
-            remaining = client._may_retry(window)
-            if remaining <= 0:
-                age = client.reachability.outage_age(time.monotonic())
-                raise EtcdUnavailable(f"etcd watch could not reconnect for {age:.1f}s "
-                                      f"({'; '.join(failures)})")
-            await anyio.sleep(min(delay, remaining))  # every member is down: back off
+            sibling = self._sibling(slot)
+            if slot == 0 and not (sibling is not None and sibling.live):
+                # A watch that connects proves little, so only failures count towards the
+                # outage; the next unary answer ends it.
+                client._unreached("; ".join(failures))
+                remaining = client._may_retry(window)
+                if remaining <= 0:
+                    age = client.reachability.outage_age(time.monotonic())
+                    raise EtcdUnavailable(f"etcd watch could not reconnect for {age:.1f}s "
+                                          f"({'; '.join(failures)})")
+                await anyio.sleep(min(delay, remaining))  # every member is down: back off
+            else:
+                await anyio.sleep(delay)
             delay = min(delay * 2, 1.0)
-
-    async def _connect(self, endpoint: str) -> None:
-        body = {"create_request": {**self._key_range, "start_revision": str(self.next_revision),
-                                   # server-driven progress notifications, where the
-                                   # operator enabled them; nothing relies on them
-                                   "progress_notify": True}}
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self._client.timeout)
-        headers = {**await self._client._headers(endpoint), **LEADER_HEADER}
-        self._client.stats.watches_opened += 1
-        try:
-            with anyio.fail_after(self._client.timeout):
-                resp = await self._client._http().post(
-                    endpoint + "/v3/watch", json=body, headers=headers, timeout=timeout)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise _EndpointDown(_describe(exc)) from exc
-        if resp.connection is not None and resp.connection.transport is not None:
-            set_keepalive(resp.connection.transport.get_extra_info("socket"),
-                          self.check_interval)
-        self._resp, self.endpoint = resp, endpoint
-        try:  # the first message says whether the member took it (a leaderless one refuses)
-            with anyio.fail_after(self._client.timeout):
-                self._first = await self._read_message()
-        except (_EndpointDown, TimeoutError) as exc:
-            self._disconnect()
-            raise _EndpointDown(_describe(exc)) from exc
-        except BaseException:
-            self._disconnect()
-            raise
-        self.connected_at = time.monotonic()
-        # a member that took a stream requiring a leader has one: it answers
-        self._client.endpoint_health(endpoint).answered()
-        if self._on_live is not None:
-            self._on_live(True)
-
-    async def _read_line(self) -> bytes:
-        assert self._resp is not None
-        while b"\n" not in self._buffer:
-            try:
-                chunk = await self._resp.content.readany()
-            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                raise _EndpointDown(_describe(exc)) from exc
-            if not chunk:
-                if self._buffer.strip():  # a last message without its newline (an error)
-                    line, self._buffer = self._buffer, b""
-                    return line
-                raise _EndpointDown("stream closed")
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return line
-
-    async def _read_message(self) -> list[WatchEvent]:
-        if self._first is not None:
-            first, self._first = self._first, None
-            return first
-        try:
-            data = json.loads(await self._read_line())
-        except ValueError as exc:
-            raise EtcdError("etcd watch sent something that is not JSON") from exc
-        _raise_for_error(data)
-        result: JsonDict = data.get("result", {})
-        if result.get("canceled"):
-            self._raise_canceled(result)
-        return [
-            WatchEvent("DELETE" if ev.get("type") == "DELETE" else "PUT",
-                       KeyValue.from_json(ev.get("kv")))
-            for ev in _objects(result.get("events", ()))
-        ]
-
-    def _raise_canceled(self, result: JsonDict) -> None:
-        compact = int(result.get("compact_revision", 0))
-        if compact:
-            raise EtcdCompacted(f"watch start revision {self.next_revision} was compacted "
-                                f"(oldest kept: {compact})")
-        reason = str(result.get("cancel_reason", "no reason given"))
-        if "auth token" in reason:
-            self._client._token = None
-            raise _EndpointDown(reason)
-        raise EtcdError(f"etcd canceled the watch: {reason}")
 
 
 def _prefix_range(prefix: str) -> JsonDict:
@@ -343,7 +346,13 @@ class PrefixView:
 
     @property
     def watch_endpoint(self) -> str | None:
+        """A member the view's watch has a stream open on (None: none)."""
         return self._watch.endpoint if self._watch is not None else None
+
+    @property
+    def watch_endpoints(self) -> tuple[str, ...]:
+        """Every member the view's watch has a stream open on."""
+        return self._watch.endpoints if self._watch is not None else ()
 
     async def refresh(self, *, retry_window: float | Literal["default"] | None = "default"
                       ) -> None:
@@ -436,7 +445,8 @@ async def open_prefix_view(client: EtcdClient, prefix: str, *,
                            on_live: LiveHook | None = None,
                            ) -> AsyncIterator[PrefixView]:
     """Read ``prefix`` (retrying for ``retry_window``) and follow it by watch until the
-    block exits; ``on_live`` hears the watch stream go live and dead."""
+    block exits; ``on_live`` hears the watch's liveness each time one of its streams
+    opens or closes."""
     view = PrefixView(client, prefix, on_live=on_live)
     await view.refresh(retry_window=retry_window)
     body_error: BaseException | None = None

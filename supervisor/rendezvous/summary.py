@@ -28,7 +28,7 @@ from supervisor.core.goodput import Ledger, totals
 from supervisor.core.nodehealth import NodeRecord
 from supervisor.core.snapshot import Snapshot
 from supervisor.rendezvous.decode import Summary, decode, printable
-from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
+from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError, hedge_delay
 
 if TYPE_CHECKING:
     from supervisor.rendezvous.etcd import EtcdRendezvousConfig
@@ -246,7 +246,8 @@ async def publish_summaries(
     """Run this node's publisher until cancelled (its own client; same TLS and auth)."""
     config = rendezvous.config
     client = EtcdClient(config.endpoints, timeout=config.request_timeout, tls=config.tls,
-                        user=config.user, password=config.password)
+                        user=config.user, password=config.password,
+                        hedge_after=hedge_delay(config.request_timeout))
     name = host or socket.gethostname()
     offset = mono_to_wall_offset()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -21,7 +22,14 @@ from supervisor.rendezvous.etcd_client import (
     range_op,
 )
 from supervisor.rendezvous.etcd_watch import open_prefix_view
-from tests.support.etcd import EtcdFactory, EtcdMember, make_tls_material
+from tests.support.etcd import (
+    EtcdFactory,
+    EtcdMember,
+    freeze,
+    is_leader,
+    make_tls_material,
+    thaw,
+)
 from tests.support.ports import free_port
 
 pytestmark = pytest.mark.etcd
@@ -136,6 +144,40 @@ async def test_watch_resumes_on_another_member(factory: EtcdFactory) -> None:
                 await client.put("/t/r/b", "2")
                 second = await watch.__anext__()
     assert [ev.kv.key for ev in first + second] == ["/t/r/a", "/t/r/b"]
+
+
+async def test_a_hedged_call_does_not_wait_on_a_silent_member(factory: EtcdFactory) -> None:
+    """The leave's revoke with the first endpoint frozen (a follower, so no election
+    interferes): the next member is asked after ``hedge_after``, not after the 3 s
+    timeout, and the lease's keys are gone."""
+    members = factory.cluster(3)
+    silent = next(m for m in members if not is_leader(m))
+    ordered = [silent, *(m for m in members if m is not silent)]
+    async with EtcdClient([m.endpoint for m in ordered], timeout=3.0,
+                          hedge_after=0.2) as client:
+        lease, _ = await client.lease_grant(30)
+        await client.put("/t/h/key", "1", lease=lease)
+        freeze(silent)
+        try:
+            started = time.monotonic()
+            with anyio.fail_after(5):
+                await client.lease_revoke(lease)
+            took = time.monotonic() - started
+            assert await client.get("/t/h/key") is None
+        finally:
+            thaw(silent)
+    assert took < 1.0, took
+
+
+async def test_a_hedged_call_takes_a_refusal_as_the_answer(factory: EtcdFactory) -> None:
+    """A member's "lease not found" ends the call (no other member is asked for it):
+    the leave counts a lease already gone as revoked."""
+    members = factory.cluster(3)
+    async with EtcdClient([m.endpoint for m in members], timeout=3.0,
+                          hedge_after=0.2) as client:
+        with anyio.fail_after(5), pytest.raises(EtcdLeaseNotFound):
+            await client.lease_revoke(0x5EED)
+        assert client.stats.failed_attempts == 0
 
 
 async def test_unreachable_endpoints_raise_unavailable_naming_them() -> None:

@@ -1,29 +1,22 @@
 """Watches that cannot go blind (supervisor/rendezvous/etcd_watch.py), against real etcd:
-a member without a leader refuses the stream, a member that stops answering is left for
-another one without losing an event, and an outage makes the view re-read."""
+a member without a leader refuses the stream; a member that stops answering delays no
+event (the watch's second stream, on another member, delivers it) and its stream is
+moved to another member, with no event lost or repeated; an outage makes the view
+re-read."""
 
 from __future__ import annotations
 
-import json
-import signal
 import time
-import urllib.request
+from collections.abc import Callable
 
 import anyio
 import pytest
 
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdUnavailable
-from supervisor.rendezvous.etcd_watch import open_prefix_view
-from tests.support.etcd import EtcdFactory, EtcdMember
+from supervisor.rendezvous.etcd_watch import Watch, open_prefix_view
+from tests.support.etcd import EtcdFactory, EtcdMember, freeze, has_leader, thaw
 
 pytestmark = pytest.mark.etcd
-
-
-def has_leader(member: EtcdMember) -> bool:
-    request = urllib.request.Request(member.endpoint + "/v3/maintenance/status", data=b"{}",
-                                     method="POST")
-    with urllib.request.urlopen(request, timeout=1) as resp:
-        return int(json.load(resp).get("leader", 0)) != 0
 
 
 def wait_leaderless(member: EtcdMember, timeout: float = 10) -> None:
@@ -33,16 +26,6 @@ def wait_leaderless(member: EtcdMember, timeout: float = 10) -> None:
     while has_leader(member):
         assert time.monotonic() < deadline, f"{member.name} still has a leader"
         time.sleep(0.02)
-
-
-def freeze(member: EtcdMember) -> None:
-    assert member.process is not None
-    member.process.send_signal(signal.SIGSTOP)
-
-
-def thaw(member: EtcdMember) -> None:
-    assert member.process is not None
-    member.process.send_signal(signal.SIGCONT)
 
 
 async def test_a_member_without_a_leader_refuses_the_watch_at_once(factory: EtcdFactory) -> None:
@@ -63,35 +46,124 @@ async def test_a_member_without_a_leader_refuses_the_watch_at_once(factory: Etcd
         thaw(members[2])
 
 
-async def test_a_frozen_member_is_left_and_no_event_is_lost(factory: EtcdFactory) -> None:
-    """The watch's member stops answering (SIGSTOP: its sockets stay open, nothing is
-    refused): the watch leaves it within a few check intervals and resumes on another
-    member from the last revision it delivered + 1."""
+class StreamLog:
+    """What a watch's ``on_live`` hook heard: wakes waiters when its streams' members
+    change, so a test waits on the watch, never on a sleep."""
+
+    def __init__(self) -> None:
+        self.watch: Watch | None = None
+        self._changed = anyio.Event()
+
+    def heard(self, live: bool) -> None:
+        self._changed.set()
+        self._changed = anyio.Event()
+
+    async def wait_for(self, check: Callable[[tuple[str, ...]], bool]) -> None:
+        assert self.watch is not None
+        while not check(self.watch.endpoints):
+            await self._changed.wait()
+
+
+async def test_a_frozen_member_delays_no_event_and_its_stream_moves(
+        factory: EtcdFactory) -> None:
+    """The first stream's member stops answering (SIGSTOP: its sockets stay open, nothing
+    is refused): the second stream, on another member, delivers a change at once; the
+    frozen stream is moved within a few check intervals; each event comes once."""
     members = factory.cluster(3)
+    streams = StreamLog()
     async with EtcdClient([m.endpoint for m in members], timeout=1.0) as client, \
             EtcdClient([members[1].endpoint], timeout=1.0, retry_window=10) as writer:
         # the writer waits out an election if the frozen member led the cluster
         start = await writer.put("/t/f/a", "1")
-        async with client.watch("/t/f/", prefix=True, start_revision=start) as watch:
+        async with client.watch("/t/f/", prefix=True, start_revision=start,
+                                on_live=streams.heard) as watch:
+            streams.watch = watch
             with anyio.fail_after(5):
                 first = await watch.__anext__()
+                await streams.wait_for(lambda on: len(on) == 2)
             assert watch.endpoint == members[0].endpoint
             freeze(members[0])
             try:
                 await writer.put("/t/f/b", "2")
-                await writer.put("/t/f/c", "3")
-                frozen_at = time.monotonic()
-                # three check intervals (1 s each) and a probe's timeout, plus slack for
-                # a loaded machine: it is ~3 s here
-                with anyio.fail_after(10):
+                written_at = time.monotonic()
+                with anyio.fail_after(5):
                     second = await watch.__anext__()
-                moved_after = time.monotonic() - frozen_at
+                delivered_after = time.monotonic() - written_at
+                # three check intervals (1 s each) and a probe's timeout, plus slack for a
+                # loaded machine: it is ~3 s here
+                with anyio.fail_after(10):
+                    await streams.wait_for(lambda on: len(on) == 2
+                                           and members[0].endpoint not in on)
+                await writer.put("/t/f/c", "3")
+                with anyio.fail_after(5):
+                    third = await watch.__anext__()
             finally:
                 thaw(members[0])
-            assert watch.endpoint != members[0].endpoint and watch.moves == 1
-    keys = [ev.kv.key for ev in first + second]
+            assert watch.moves == 1
+    keys = [ev.kv.key for ev in first + second + third]
     assert keys == ["/t/f/a", "/t/f/b", "/t/f/c"], keys
-    assert moved_after < 10
+    assert delivered_after < 1.0, delivered_after
+
+
+async def test_no_event_is_lost_or_repeated_while_a_stream_moves(factory: EtcdFactory) -> None:
+    """Writes before, during and after a member is frozen and its stream moved (resuming
+    from the last delivered revision + 1) arrive exactly once, in revision order: only
+    this test writes to the cluster, so every revision from the first write to the last
+    is one event. (The writer may apply a put twice when it retries across an election:
+    that is two revisions, two events.)"""
+    members = factory.cluster(3)
+    streams = StreamLog()
+    revisions: list[int] = []
+    last = 0
+    all_seen = anyio.Event()
+
+    async def collect(watch: Watch) -> None:
+        async for events in watch:
+            revisions.extend(ev.kv.mod_revision for ev in events)
+            if last and revisions[-1] >= last:
+                all_seen.set()
+
+    async with EtcdClient([m.endpoint for m in members], timeout=1.0) as client, \
+            EtcdClient([members[1].endpoint], timeout=1.0, retry_window=10) as writer:
+        start = await writer.put("/t/n/000", "x")
+        async with client.watch("/t/n/", prefix=True, start_revision=start,
+                                on_live=streams.heard) as watch, \
+                anyio.create_task_group() as tg:
+            streams.watch = watch
+            tg.start_soon(collect, watch)
+            with anyio.fail_after(20):
+                await streams.wait_for(lambda on: len(on) == 2)
+                for i in range(1, 10):
+                    await writer.put(f"/t/n/{i:03}", "x")
+                freeze(members[0])
+                try:
+                    for i in range(10, 20):
+                        await writer.put(f"/t/n/{i:03}", "x")
+                    await streams.wait_for(lambda on: len(on) == 2
+                                           and members[0].endpoint not in on)
+                finally:
+                    thaw(members[0])
+                for i in range(20, 29):
+                    await writer.put(f"/t/n/{i:03}", "x")
+                last = await writer.put("/t/n/029", "x")
+                if revisions and revisions[-1] >= last:
+                    all_seen.set()
+                await all_seen.wait()
+            tg.cancel_scope.cancel()
+    assert revisions == list(range(start, last + 1)), revisions
+    assert watch.moves == 1
+    assert client.stats.watch_events == len(revisions)
+
+
+async def test_a_watch_with_one_endpoint_opens_one_stream(factory: EtcdFactory) -> None:
+    server = factory.single()
+    async with EtcdClient([server.endpoint], timeout=1.0) as client:
+        start = await client.put("/t/one/a", "1")
+        async with client.watch("/t/one/", prefix=True, start_revision=start) as watch:
+            with anyio.fail_after(5):
+                await watch.__anext__()
+            assert watch.endpoints == (server.endpoint,)
+    assert client.stats.watches_opened == 1 and client.stats.watch_duplicates == 0
 
 
 async def test_after_an_outage_the_view_re_reads_and_watches_from_a_fresh_revision(

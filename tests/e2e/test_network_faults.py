@@ -5,7 +5,8 @@ benchmarks/netfaults.py).
 Short versions of docs/reliability.md's cases (lease TTL 3 s, 10 s cuts): a node cut off
 from etcd rejoins within 3 s of the heal, also when etcd restarted meanwhile, and its old
 group stops within the stated bound; with one etcd member of three isolated, a leave and
-a loss are seen as with every member healthy; an outage for everyone is ridden out with
+a loss are seen as with every member healthy, a leave also right after the isolation
+(before any watch noticed); an outage for everyone is ridden out with
 the same workers. Root and ``ip netns`` are needed (skipped with the reason otherwise).
 """
 
@@ -60,6 +61,18 @@ def test_one_isolated_etcd_member_blinds_no_watch() -> None:
     assert figures["leave_seen_after"] <= LEAVE_BOUND, figures
     assert figures["loss_seen_after"] <= LOSS_BOUND, figures
     assert figures["scale_up_round_after"] is not None, figures
+
+
+def test_a_leave_right_after_a_member_is_isolated_is_seen_at_once() -> None:
+    """Before the watches could notice e0 went quiet (2-3 check intervals): the second
+    stream of each watch, on another member, brings the leave; the leaving node's revoke
+    and the leader's txn do not wait on e0 (hedged). e0 is a raft follower here: when it
+    leads, nothing commits until the others elect a leader (benchmarks/netfaults.py's
+    ``member-leave-leader`` case measures that)."""
+    netjob.need_lab(etcdctl=True)
+    figures = netjob.leave_after_isolation(ttl=TTL)
+    assert figures["leave_seen_after"] <= LEAVE_BOUND, figures
+    assert figures["seen_before_the_watches_moved"], figures
 
 
 def test_etcd_gone_for_every_node_is_ridden_out_with_the_same_workers() -> None:

@@ -239,3 +239,33 @@ def etcd_factory(base_dir: Path) -> Iterator[EtcdFactory]:
 
 def endpoints(members: Sequence[EtcdMember]) -> tuple[str, ...]:
     return tuple(m.endpoint for m in members)
+
+
+def member_status(member: EtcdMember) -> dict[str, object]:
+    """The member's ``/v3/maintenance/status`` answer (raft leader, its own id)."""
+    request = urllib.request.Request(member.endpoint + "/v3/maintenance/status", data=b"{}",
+                                     method="POST")
+    with urllib.request.urlopen(request, timeout=1) as resp:
+        return dict(json.load(resp))
+
+
+def has_leader(member: EtcdMember) -> bool:
+    return int(str(member_status(member).get("leader", 0))) != 0
+
+
+def is_leader(member: EtcdMember) -> bool:
+    status = member_status(member)
+    header = status.get("header")
+    own = header.get("member_id") if isinstance(header, dict) else None
+    return own is not None and str(status.get("leader")) == str(own)
+
+
+def freeze(member: EtcdMember) -> None:
+    """SIGSTOP: the member goes silent, its sockets stay open, nothing is refused."""
+    assert member.process is not None
+    member.process.send_signal(signal.SIGSTOP)
+
+
+def thaw(member: EtcdMember) -> None:
+    assert member.process is not None
+    member.process.send_signal(signal.SIGCONT)

@@ -226,6 +226,31 @@ class Job:
             raise ScenarioError(f"etcdctl get {key}: {done.stderr.strip()}")
         return json.loads(done.stdout) if done.stdout.strip() else None
 
+    def _etcdctl(self, endpoints: Sequence[Etcd], *args: str) -> str:
+        member = self.members[0]
+        done = subprocess.run(["ip", "netns", "exec", member.host.ns, "etcdctl",
+                               "--endpoints", ",".join(m.endpoint for m in endpoints), *args],
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise ScenarioError(f"etcdctl {' '.join(args)}: {done.stderr.strip()}")
+        return done.stdout
+
+    def raft_ids(self) -> tuple[list[int], int]:
+        """Each member's raft id (in ``members`` order) and the raft leader's id."""
+        rows = json.loads(self._etcdctl(self.members, "endpoint", "status", "-w", "json"))
+        ids = [int(row["Status"]["header"]["member_id"]) for row in rows]
+        return ids, int(rows[0]["Status"]["leader"])
+
+    def make_raft_leader(self, member: Etcd) -> None:
+        """Move etcd's raft leadership to ``member`` (etcdctl move-leader), unless it
+        leads already."""
+        ids, leader = self.raft_ids()
+        target = ids[self.members.index(member)]
+        if leader != target:
+            current = self.members[ids.index(leader)]
+            self._etcdctl([current], "move-leader", f"{target:x}")
+        wait_for(f"{member.name} leading", lambda: self.raft_ids()[1] == target, 20)
+
     def cut_from_etcd(self, node: Node) -> None:
         for member in self.members:
             self.lab.cut(node.host, member.host)
@@ -339,6 +364,50 @@ def isolated_member(*, ttl: int, settle: float, code: Path = REPO,
             "leave_seen_after": max(leave_seen) - left_at,
             "loss_seen_after": loss_seen - killed_at,
             "scale_up_round_after": _rel(wait_ready, joined_at),
+        }
+
+
+def leave_after_isolation(*, ttl: int, raft_leader: bool = False, code: Path = REPO,
+                          keep: Path | None = None) -> dict[str, Any]:
+    """A 3-member etcd and nodes A, B, C whose first endpoint is member e0; e0 is
+    isolated at the bridge and node C leaves (SIGTERM) right after, before any watch
+    could notice that e0 went quiet. e0 is a raft follower (or, with ``raft_leader``, the
+    raft leader: then nothing commits until e1 and e2 elect a new leader, after the
+    election timeout, 500 ms here). Figures: when A and B saw the leave, and when each
+    node's watch left e0 (a stream closed there), both after the isolation."""
+    with job(ttl=ttl, code=code, keep=keep) as j:
+        j.start_etcd(3)
+        a, b, c = (j.start_node(x) for x in "abc")
+        j.wait_group([a, b, c], 3)
+        e0 = j.members[0].endpoint
+        j.make_raft_leader(j.members[0] if raft_leader else j.members[1])
+        isolated_at = time.monotonic()
+        j.isolate(j.members[0])
+        c.proc.send_signal(signal.SIGTERM)
+        left_at = time.monotonic()
+
+        def saw_leave(n: Node) -> Callable[[], float | None]:
+            return lambda: n.first("membership_changed", left_at)
+        seen = [wait_for("the leave seen", saw_leave(n), 60) for n in (a, b)]
+
+        def left_e0(n: Node) -> float | None:
+            return n.first("etcd_watch", isolated_at,
+                           lambda e: bool(e.get("live"))
+                           and e0 not in (e.get("endpoints") or [e.get("endpoint")]))
+        try:  # not needed for the leave: recorded to show it came first
+            moved = wait_for("the watches leaving e0",
+                             lambda: all(left_e0(n) for n in (a, b)) and
+                             [left_e0(n) for n in (a, b)], 10 * ttl)
+        except ScenarioError:
+            moved = [left_e0(n) for n in (a, b)]
+        return {
+            "ttl": ttl, "e0_raft_leader": raft_leader,
+            "left_after_isolation": left_at - isolated_at,
+            "leave_seen_after": max(seen) - left_at,
+            "leave_seen_by": [t - left_at for t in seen],
+            "watches_left_e0_after_isolation": [_rel(t, isolated_at) for t in moved],
+            "seen_before_the_watches_moved": all(m is None or s < m
+                                                 for s, m in zip(seen, moved, strict=True)),
         }
 
 
