@@ -14,7 +14,10 @@ the peers of its round (their health endpoints' ``/status``) and feeds what they
    others re-form only after that: **stop once that time has passed** (wait until then).
    Right after an outage for everyone, every lease expired and the others wait one TTL
    for the keys to come back: the clock then starts when the outage ended
-   (:func:`standing_since`), so a blip just after it stops nothing.
+   (:func:`standing_since`), so a blip just after it stops nothing. A node still inside
+   that outage learns its end from the peers: a witness that says it reaches etcd again
+   since ``recovered_for`` seconds gives this node one TTL from then too (else the first
+   peer to reconnect would stop the nodes that had not yet).
 4. Every answering peer says it cannot reach etcd either: a cluster-wide outage:
    **ride out**.
 
@@ -44,6 +47,7 @@ class PeerReport:
     answered: bool
     reaches_etcd: bool = False
     round: int = -1
+    recovered_for: float | None = None  # s since its last etcd outage ended (None: never had one)
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,12 @@ def judge(*, my_round: int, last_refresh_sent: float, now: float, ttl: float,
         return Verdict(Cutoff.RIDE_OUT, f"{len(answered)} peer(s) answer and none reaches "
                                         "etcd: an outage for everyone")
     expired_by = last_refresh_sent + max_rtt + ttl
+    # etcd was back for everyone at the latest when the first witness reconnected: a
+    # lease of an outage for everyone counts from then (etcd renews every lease when it
+    # elects a leader), so a node that reconnects a moment after its peers is not stopped
+    ended = [r.recovered_for for r in answered if r.reaches_etcd and r.recovered_for is not None]
+    if ended:
+        expired_by = max(expired_by, now - max(ended) + max_rtt + ttl)
     said = f"peer(s) {', '.join(witnesses)} reach etcd and this node does not"
     if now < expired_by:
         return Verdict(Cutoff.WAIT, f"{said}; its lease expires within "
@@ -107,7 +117,16 @@ def parse_peer_status(node: str, doc: object, run_id: str) -> PeerReport:
     reachable = etcd.get("reachable")
     if type(reachable) is not bool:
         return PeerReport(node, answered=False)
-    return PeerReport(node, answered=True, reaches_etcd=reachable, round=round_)
+    return PeerReport(node, answered=True, reaches_etcd=reachable, round=round_,
+                      recovered_for=_seconds(etcd.get("recovered_for")))
+
+
+def _seconds(value: object) -> float | None:
+    """A finite, non-negative number of seconds; None for anything else (absent from
+    older peers, or not to be trusted)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if 0 <= value < float("inf") else None
 
 
 def peers_to_ask(members: Sequence[str], me: str, count: int) -> list[str]:

@@ -177,15 +177,20 @@ class EtcdRendezvous:
         """For ``/status``: whether etcd answers (to requests and to this node's watch:
         never "reachable" while the watch is dead), and the outages so far."""
         r = self._client.reachability
+        now = time.monotonic()
         watch_live = self._ctl is not None and self._ctl.watch_live
-        return {"reachable": r.unreachable_since is None and watch_live,
+        reachable = r.unreachable_since is None and watch_live
+        return {"reachable": reachable,
+                # since when etcd answers again after an outage: the peers' cut-off rule
+                "recovered_for": (round(now - r.recovered_at, 3)
+                                  if reachable and r.recovered_at is not None else None),
                 "requests_answered": r.unreachable_since is None,
                 "watch": {"live": watch_live,
                           "endpoint": self._ctl.watch_endpoint if self._ctl else None,
                           "endpoints": list(self._ctl.watch_endpoints) if self._ctl else [],
                           "resyncs": self._ctl.resyncs if self._ctl else 0},
                 "cut_off": self._cut_off_reason,
-                "unreachable_for": round(r.outage_age(time.monotonic()), 3),
+                "unreachable_for": round(r.outage_age(now), 3),
                 "outages": r.outages, "last_outage": round(r.last_outage, 3),
                 "total_outage": round(r.total_outage, 3), "cause": r.cause or None,
                 "outage_limit": self.config.outage_limit,

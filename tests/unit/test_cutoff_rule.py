@@ -122,3 +122,34 @@ def test_peers_asked_are_the_next_ones_in_rank_order_wrapping() -> None:
     assert peers_to_ask(members, "a", 2) == ["b", "c"]
     assert peers_to_ask(["a"], "a", 3) == []
     assert peers_to_ask(["a", "b"], "z", 3) == ["a", "b"]
+
+
+def test_a_witness_just_back_from_an_outage_gives_this_node_a_ttl_from_then() -> None:
+    """An outage for everyone longer than the TTL: the first peer to reconnect must not
+    stop a node that has not reconnected yet (seen once: that node restarted its group)."""
+    now = EXPIRED + 30.0  # this node's last refresh is long past its TTL
+    just_back = PeerReport("b", answered=True, reaches_etcd=True, round=4, recovered_for=0.2)
+    v = verdict(just_back, now=now)
+    assert v.action is Cutoff.WAIT and v.until == pytest.approx(now - 0.2 + RTT + TTL)
+    long_back = PeerReport("b", answered=True, reaches_etcd=True, round=4, recovered_for=60.0)
+    assert verdict(long_back, now=now).action is Cutoff.STOP  # it was back long enough
+
+
+def test_the_earliest_reconnection_among_the_witnesses_counts() -> None:
+    now = EXPIRED + 30.0
+    v = verdict(PeerReport("b", True, True, 4, recovered_for=0.2),
+                PeerReport("c", True, True, 4, recovered_for=25.0), now=now)
+    assert v.action is Cutoff.STOP  # c was back 25 s ago: more than a TTL and the RTT
+
+
+@pytest.mark.parametrize("value", [-1, float("inf"), float("nan"), "3", True, None, [1]])
+def test_a_recovered_for_that_is_not_a_duration_is_not_known(value: object) -> None:
+    doc = {"run_id": "job", "rendezvous": {"round": 4, "etcd": {
+        "reachable": True, "recovered_for": value}}}
+    assert parse_peer_status("b", doc, "job").recovered_for is None
+
+
+def test_a_recovered_for_is_read_from_the_status() -> None:
+    doc = {"run_id": "job", "rendezvous": {"round": 4, "etcd": {
+        "reachable": True, "recovered_for": 1.5}}}
+    assert parse_peer_status("b", doc, "job").recovered_for == 1.5
