@@ -81,7 +81,7 @@ from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreape
 from supervisor.workers.output import OutputPlan, OutputSpecError
 from supervisor.workers.spawn import SPAWNER, DeathSignal
 from supervisor.workers.topology import cpus_for
-from supervisor.workers.warm.base import NullPool, Pool
+from supervisor.workers.warm.base import NullPool, Pool, attempt_may_follow
 
 logger = logging.getLogger(__name__)
 
@@ -361,7 +361,8 @@ def make_pool(
     ``fork_server``: with ``--preload``, standbys are forked from one fork server per
     node; only where we are a child subreaper (the daemon), so that a forked standby is
     reparented to us. The embedded API keeps standbys that import for themselves."""
-    second_attempt = settings.max_restarts > 0 or rendezvous.capabilities.membership_can_change
+    second_attempt = attempt_may_follow(0, settings.max_restarts,
+                                        rendezvous.capabilities.membership_can_change)
     if settings.no_warm_restart or not (second_attempt or settings.preload):
         return NullPool()
     from supervisor.workers.warm.pool import WarmPool

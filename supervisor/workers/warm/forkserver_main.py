@@ -385,7 +385,7 @@ def _collapse() -> int:
         return 0
     import ctypes  # only for a preload as large as this; torch has imported it already
 
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise = _libc().madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     collapsed = 0
     for start, end in regions:
@@ -399,11 +399,16 @@ def _collapse() -> int:
 def _prctl() -> Any:
     """The C library's ``prctl`` (after the preload: torch has imported ctypes by then)."""
     try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl
+        return _libc().prctl
     except (ImportError, OSError, AttributeError):
         return None
+
+
+def _libc() -> Any:
+    """The C library, through ``ctypes`` (imported only after the preload)."""
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _open_fds() -> frozenset[int]:

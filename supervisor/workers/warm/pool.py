@@ -32,7 +32,7 @@ from supervisor.core.snapshot import ProgressTable
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.spawn import SPAWNER, DeathSignal, Spawner, Start, Worker, WorkerSpec
 from supervisor.workers.warm import autopreload
-from supervisor.workers.warm.base import Preview
+from supervisor.workers.warm.base import Preview, attempt_may_follow
 from supervisor.workers.warm.forkserver import ForkServerConfig, Wanted, cold_path0
 from supervisor.workers.warm.standby import (
     PER_ATTEMPT_ENV,
@@ -160,9 +160,9 @@ class WarmPool:
         return self.forks is not None and self.preloading and not self.forks.given_up
 
     def restart_possible(self, restart_count: int) -> bool:
-        """Whether another attempt may follow this one (so standbys are worth their memory):
-        failure restarts left, or a backend whose membership can change."""
-        return self.membership_can_change or restart_count < self.settings.max_restarts
+        """Whether another attempt may follow this one (``base.attempt_may_follow``)."""
+        return attempt_may_follow(restart_count, self.settings.max_restarts,
+                                  self.membership_can_change)
 
     # ------------------------------------------------------------------ the attempt
     def begin(self, attempt: Attempt) -> None:
@@ -375,11 +375,10 @@ class WarmPool:
         """Standbys forked for ``wanted`` in one request (in a worker thread), in its
         order; None: that rank starts cold."""
         assert self.forks is not None
-        server = self.forks.server
         for want in wanted:
             self._forked.discard(want.rank)
-        forked = None if server is None else self.forks.fork(
-            [Wanted(w.rank, w.env, w.cpus) for w in wanted])
+        server = self.forks.server
+        forked = self.forks.fork([Wanted(w.rank, w.env, w.cpus) for w in wanted])
         if server is None or forked is None:
             return [None] * len(wanted)
         standbys: list[Standby | None] = []
