@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from collections.abc import AsyncIterator
@@ -160,7 +161,10 @@ async def test_a_hedged_call_does_not_wait_on_a_silent_member(factory: EtcdFacto
         freeze(silent)
         try:
             started = time.monotonic()
-            with anyio.fail_after(5):
+            # a loaded machine can make a healthy member slower than the hedge too: then
+            # a later ask may answer "not found" for the lease an earlier one revoked (the
+            # leave counts that as revoked, etcd_lease.LeaseKeeper.revoke); a CI run saw it
+            with anyio.fail_after(5), contextlib.suppress(EtcdLeaseNotFound):
                 await client.lease_revoke(lease)
             took = time.monotonic() - started
             assert await client.get("/t/h/key") is None
