@@ -77,7 +77,7 @@ def main() -> int:
     if config.get("stop_server_first"):
         server.stop()
     for rank, env, standby_of in forked:
-        standby = Standby(standby_of.process, standby_of.sock, prefix, env)
+        standby = Standby(standby_of.process, standby_of.sock, prefix, env, forked=True)
         spec = WorkerSpec(rank, rank, argv, {**env, **per_attempt}, stdout=1, stderr=2,
                           cwd=config.get("cwd"))
         worker = standby.go(spec, per_attempt)

@@ -446,11 +446,12 @@ def _fork(request: dict[str, Any], fds: list[int], owner: int, prctl: Any,
     middle = os.fork()
     if middle == 0:  # the intermediate child: fork the standbys, tell their pids, leave
         os.close(pid_r)
+        middle = os.getpid()  # not the standbys' getppid(): we may be gone by then
         index, turn, done = _fork_each(len(standbys), gate_w)
         if index < 0:
             os._exit(0)
-        _become_standby(standbys[index], fds[index], (index, pid_w), gate_r, turn, done,
-                        owner, prctl, library_fds, ctl)
+        _become_standby(standbys[index], fds[index], (index, pid_w), (middle, gate_r),
+                        turn, done, owner, prctl, library_fds, ctl)
         return {"standby": fds[index]}
     os.close(gate_r)
     os.close(gate_w)
@@ -505,7 +506,7 @@ def _fork_each(count: int, gate_w: int) -> tuple[int, int, int]:
 
 
 def _become_standby(request: dict[str, Any], sock_fd: int, tell: tuple[int, int],
-                    gate: int, turn: int, done: int, owner: int, prctl: Any,
+                    parent: tuple[int, int], turn: int, done: int, owner: int, prctl: Any,
                     library_fds: frozenset[int], ctl: Any) -> None:
     """In the standby: own session, adopted by the supervisor, death signal, clean state.
     Exits (code 70) if any of it fails: the supervisor then sees a standby that died.
@@ -514,7 +515,7 @@ def _become_standby(request: dict[str, Any], sock_fd: int, tell: tuple[int, int]
     once we are in a session of our own: stopping the server (a kill of its process
     group) right after its answer must not reach a standby."""
     try:
-        middle = os.getppid()
+        middle, gate = parent  # the intermediate child's pid; EOF once it has exited
         os.setsid()
         index, pid_w = tell
         os.write(pid_w, b"%d %d\n" % (index, os.getpid()))

@@ -392,7 +392,8 @@ class WarmPool:
             self._forked.add(want.rank)
             self._forked_from[want.rank] = server.pid
             standbys.append(Standby(one.process, one.sock, interpreter(self.python),
-                                    want.env, (*config.preload, *config.auto_names)))
+                                    want.env, (*config.preload, *config.auto_names),
+                                    forked=True))
         return standbys
 
     def _split(self, wanted: list[_Wanted]) -> tuple[list[_Wanted], list[_Wanted]]:

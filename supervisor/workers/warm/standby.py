@@ -16,6 +16,7 @@ import functools
 import logging
 import marshal
 import os
+import select
 import signal
 import socket
 import time
@@ -32,6 +33,10 @@ from supervisor.workers.warm import autopreload, reports
 logger = logging.getLogger(__name__)
 
 GO_TIMEOUT = 2.0  # seconds the go message may take to be accepted before a cold spawn
+# seconds a forked standby still setting itself up (milliseconds, one after another in
+# its batch) may take to report before its worker starts cold instead: a set-up that
+# fails after the go message would look like the worker's failure
+SETUP_WAIT = 0.5
 HEADER = 8  # bytes: big-endian length of the marshalled go message
 
 __all__ = ["PER_ATTEMPT_ENV", "Standby", "StandbyOptions", "discard_all", "env_mismatch",
@@ -77,6 +82,8 @@ class Standby:
         env: Mapping[str, str],
         preload: Sequence[str] = (),
         auto_spec: str | None = None,
+        *,
+        forked: bool = False,
     ) -> None:
         self.process = process  # a Worker whose spec is the standby's own command
         self.sock = sock
@@ -85,6 +92,7 @@ class Standby:
         self.preload = tuple(preload)
         self.auto_spec = auto_spec  # the file with its auto list (it removes it)
         self.idle = False  # waiting at SCHED_IDLE (set back to normal at the hand-off)
+        self.forked = forked  # by the fork server: it reports once its set-up is done
         self._report: reports.Report | None = None  # once the standby reported
 
     @property
@@ -114,7 +122,7 @@ class Standby:
     def report(self) -> reports.Report | None:
         """Its report, once it came (without preloading: always ready); None while it
         still imports."""
-        if not self.preloading:
+        if not self.preloading and not self.forked:
             return reports.Ready()
         if self._report is None:
             try:
@@ -165,6 +173,9 @@ class Standby:
                            self.local_rank, self.process.status)
             self.discard()
             return None
+        if self.forked and not self._set_up():
+            self.discard()
+            return None
         if self.idle and not _set_policy(self.pid, os.SCHED_OTHER, every_thread=True):
             logger.warning("standby for local rank %d: cannot restore its CPU priority",
                            self.local_rank)
@@ -198,6 +209,20 @@ class Standby:
         old = self.process
         return Worker(spec, old.popen, old.pidfd, time.monotonic(), time.time(),
                       start=Start(warm=True))
+
+    def _set_up(self) -> bool:
+        """Whether a forked standby has finished its set-up (waits at most SETUP_WAIT)."""
+        if self.report() is None:
+            poller = select.poll()
+            poller.register(self.sock, select.POLLIN)
+            poller.poll(SETUP_WAIT * 1000)
+        report = self.report()
+        if not isinstance(report, reports.Ready):
+            logger.warning("standby for local rank %d starts no worker: %s",
+                           self.local_rank, "its set-up has not finished" if report is None
+                           else report.message)
+            return False
+        return True
 
     def _close(self) -> None:
         if self.sock.fileno() >= 0:
