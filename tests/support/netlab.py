@@ -12,9 +12,23 @@ on exit, also when the test fails (``with NetLab() as lab``; plus ``atexit``).
 Faults, all made inside the switch namespace so that neither end gets an error:
 ``link_down``/``link_up`` (the host's bridge port), ``cut(a, b)``/``heal(a, b)`` (nftables
 in the bridge family drops every frame between two addresses, both ways), ``lossy(a, b,
-percent)`` (random drops, nftables ``numgen``). The kernel here has no ``sch_netem``
-(``tc qdisc add ... netem`` fails: "Specified qdisc kind is unknown"), so delay is not
-offered; random loss stands in for a bad link.
+percent)`` (random drops, nftables ``numgen``), ``delay(a, b, ms)``/``clear_delay(a, b)``
+(every IPv4 packet from ``a`` to ``b`` held ``ms`` ms: one way, so an RTT of 200 ms is 100
+ms each way).
+
+Delay is a substitute for netem: this kernel has no ``sch_netem`` (``tc qdisc add ...
+netem`` fails: "Specified qdisc kind is unknown") and no nft ``queue`` statement
+(``CONFIG_NFT_QUEUE``). The bridge hands the frames it forwards to the switch's iptables
+(br_netfilter), where a legacy iptables rule in ``FORWARD`` sends those from ``a`` to ``b``
+to an nfnetlink queue; a delayer the lab starts in the switch namespace
+(``tests/support/netdelay.py``, ``fnfqueue``) holds each packet and passes it when due.
+One delayer per delay value (its queue serves every pair with that delay), stopped when
+its last pair is cleared; it ends when the lab's pipe to it closes, so it dies with the
+lab's process too. Cuts and random loss act before the delay (the nft chain runs at a
+priority before br_netfilter's), as netem's loss acts on entry. Unlike netem: no jitter,
+no rate, IPv4 only (ARP is not delayed), and a packet is held by the delayer process, so a
+stopped or starved delayer delays more (never less). ``delay_unavailable()`` says what is
+missing for it (iptables, fnfqueue).
 """
 
 from __future__ import annotations
@@ -24,15 +38,24 @@ import contextlib
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 PREFIX = "esnet"
 TABLE = "esnet"
+IPTABLES = "iptables-legacy"  # nft's `queue` is not built in here; xt NFQUEUE is
+DELAYER = Path(__file__).with_name("netdelay.py")
+DELAYER_READY = 10.0  # seconds for a delayer to bind its queue
+# br_netfilter's hooks run at bridge priority 0 (NF_BR_PRI_BRNF): ours run first, so a
+# cut or a loss drops a frame before it is queued for a delay
+NFT_PRIORITY = -1
 _NAME = re.compile(rf"^{PREFIX}-([0-9a-f]+)-[0-9a-f]+-")
 
 
@@ -48,6 +71,20 @@ def unavailable() -> str | None:
     if made.returncode != 0:
         return f"ip netns add failed: {made.stderr.strip()}"
     subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def delay_unavailable() -> str | None:
+    """Why ``NetLab.delay`` cannot work here (None: it can), on top of ``unavailable()``."""
+    how = "apt-get install iptables; pip install fnfqueue (.ci/run does)"
+    if shutil.which(IPTABLES) is None:
+        return f"{IPTABLES} is not on PATH; {how}"
+    probe = subprocess.run([sys.executable, "-c", "import fnfqueue"], capture_output=True,
+                           text=True)
+    if probe.returncode != 0:
+        return f"{sys.executable} cannot import fnfqueue; {how}"
+    if not Path("/proc/sys/net/bridge/bridge-nf-call-iptables").exists():
+        return "no br_netfilter in this kernel (modprobe br_netfilter)"
     return None
 
 
@@ -100,6 +137,16 @@ class Host:
 
 
 @dataclass
+class Delayer:
+    """A delayer process in the switch namespace, reading one queue (see netdelay.py)."""
+
+    queue: int
+    ms: float
+    proc: subprocess.Popen[bytes]
+    pairs: set[tuple[str, str]] = field(default_factory=set)
+
+
+@dataclass
 class NetLab:
     """The switch, the hosts and the processes of one run (see the module docstring)."""
 
@@ -109,6 +156,9 @@ class NetLab:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     _made: list[str] = field(default_factory=list)
     _loss: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    _delayers: dict[float, Delayer] = field(default_factory=dict)
+    _delays: dict[tuple[str, str], float] = field(default_factory=dict)
+    _queues: int = 0
 
     def __post_init__(self) -> None:
         self.switch = f"{PREFIX}-{self.token}-sw"
@@ -134,7 +184,8 @@ class NetLab:
         _ip("-n", self.switch, "link", "set", "br0", "up")
         rules = (f"table bridge {TABLE} {{\n"
                  "  set cut { type ipv4_addr . ipv4_addr; }\n"
-                 "  chain passing { type filter hook forward priority 0; policy accept;\n"
+                 "  chain passing { type filter hook forward"
+                 f" priority {NFT_PRIORITY}; policy accept;\n"
                  "    ip saddr . ip daddr @cut drop\n  }\n}\n")
         done = subprocess.run(["ip", "netns", "exec", self.switch, "nft", "-f", "-"],
                               input=rules, capture_output=True, text=True)
@@ -202,6 +253,76 @@ class NetLab:
         for handle in self._loss.pop((a.addr, b.addr), []):
             _in(self.switch, "nft", "delete", "rule", "bridge", TABLE, "passing", "handle", handle)
 
+    def delay(self, a: Host, b: Host, ms: float) -> None:
+        """Hold every IPv4 packet from ``a`` to ``b`` for ``ms`` ms (one way: the RTT
+        between them is the sum of both ways), replacing any delay of that way."""
+        self.clear_delay(a, b)
+        delayer = self._delayers.get(ms) or self._start_delayer(ms)
+        _in(self.switch, IPTABLES, "-w", "-A", "FORWARD", *self._queued(a, b, delayer))
+        delayer.pairs.add((a.addr, b.addr))
+        self._delays[(a.addr, b.addr)] = ms
+
+    def clear_delay(self, a: Host, b: Host) -> None:
+        """Packets from ``a`` to ``b`` pass at once again (those held go when due)."""
+        ms = self._delays.pop((a.addr, b.addr), None)
+        if ms is None:
+            return
+        delayer = self._delayers[ms]
+        _in(self.switch, IPTABLES, "-w", "-D", "FORWARD", *self._queued(a, b, delayer))
+        delayer.pairs.discard((a.addr, b.addr))
+        if not delayer.pairs:
+            self._stop_delayer(delayer)
+
+    def delayers(self) -> list[Delayer]:
+        """The delayer processes running now."""
+        return list(self._delayers.values())
+
+    def _queued(self, a: Host, b: Host, delayer: Delayer) -> list[str]:
+        if delayer.proc.poll() is not None:  # its queue drops everything: say so
+            raise RuntimeError(f"the {delayer.ms:g} ms delayer exited "
+                               f"({delayer.proc.returncode})")
+        return ["-s", a.addr, "-d", b.addr, "-j", "NFQUEUE", "--queue-num", str(delayer.queue)]
+
+    def _start_delayer(self, ms: float) -> Delayer:
+        if not self._delayers:  # the bridge's frames through iptables (it is per namespace)
+            _in(self.switch, "sh", "-c", "echo 1 > /proc/sys/net/bridge/bridge-nf-call-iptables")
+        self._queues += 1
+        # stdin is our pipe: its end of file stops the delayer, also when this process dies
+        proc: subprocess.Popen[bytes] = subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, sys.executable, str(DELAYER),
+             "--queue", str(self._queues), "--delay-ms", str(ms)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], DELAYER_READY)
+        line = proc.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            rest = self._stop_delayer_now(proc)
+            raise RuntimeError(f"the delayer did not start: {(line + rest).decode().strip()}")
+        delayer = Delayer(self._queues, ms, proc)
+        self._delayers[ms] = delayer
+        return delayer
+
+    def _stop_delayer(self, delayer: Delayer) -> None:
+        """Close its pipe: it passes what it holds when due, then exits."""
+        del self._delayers[delayer.ms]
+        try:
+            out, _ = delayer.proc.communicate(timeout=delayer.ms / 1000 + 10)
+        except subprocess.TimeoutExpired:
+            self._stop_delayer_now(delayer.proc)
+            raise RuntimeError(f"the {delayer.ms:g} ms delayer did not stop") from None
+        if delayer.proc.returncode != 0:
+            raise RuntimeError(f"the {delayer.ms:g} ms delayer failed "
+                               f"({delayer.proc.returncode}): {out.decode().strip()}")
+
+    @staticmethod
+    def _stop_delayer_now(proc: subprocess.Popen[bytes]) -> bytes:
+        """SIGKILL it; what it wrote."""
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.communicate(timeout=5)[0] or b""
+        return b""
+
     # the end
 
     def close(self) -> None:
@@ -213,7 +334,12 @@ class NetLab:
         for proc in self.procs:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            for pipe in (proc.stdin, proc.stdout, proc.stderr):
+                if pipe is not None:
+                    pipe.close()
         self.procs.clear()
+        self._delayers.clear()
+        self._delays.clear()
         for ns in reversed(self._made):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         self._made.clear()
