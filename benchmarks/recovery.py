@@ -40,6 +40,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.fork_cpu import READY, import_seconds, spent
 from benchmarks.harness import BIN, HERE, ensure_bytecode, free_port, launcher_env
 from supervisor.workers.warm.forkserver import is_fork_server_command
 from supervisor.workers.warm.standby import is_standby_command
@@ -62,6 +63,9 @@ class Cell:
     standby_rss: list[int] = field(default_factory=list)
     standby_uss: list[int] = field(default_factory=list)
     server_rss: list[int] = field(default_factory=list)  # the fork server's, if any
+    # the fork server's CPU (with its reaped intermediate children's) per attempt after
+    # its preload: what forking each attempt's standbys cost, one figure per run
+    fork_cpu: list[float] = field(default_factory=list)
 
 
 def command(cell: Cell, ranks: int, restarts: int, logs: Path) -> list[str]:
@@ -98,18 +102,25 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
     with open(root / "err", "wb") as err:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err, env=env, cwd=root, start_new_session=True)
+    cpu = ForkCpu(root / "err") if "--preload" in cell.flags else None
     try:
         deadline = time.monotonic() + timeout
         sampled = False
         while proc.poll() is None and time.monotonic() < deadline:
-            if not sampled and "--preload" in cell.flags and (out / "a0_r0.json").exists():
+            if not sampled and cpu is not None and (out / "a0_r0.json").exists():
                 sampled = sample_standbys(cell, proc.pid, ranks, out)
-            if stalled(out, ranks, crashes):
+            if cpu is not None:
+                cpu.poll()
+            if stalled(out, ranks, crashes) or done(out, ranks, crashes):
                 break  # a recovery that did not happen: this run is over (torchrun's)
             time.sleep(0.05)
+        if cpu is not None:
+            cpu.poll(final=True)
     finally:
         stop(proc)
     found = collect(cell, out, ranks, crashes)
+    if cpu is not None and (per := cpu.per_attempt(found + 1)) is not None:
+        cell.fork_cpu.append(per)
     cell.runs += 1
     if found < crashes:
         cell.failed_runs += 1
@@ -123,6 +134,36 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
 # s after a crash without every rank's first step: the recovery failed (``--stall``; a
 # cold restart on a 2-core machine shared with other jobs took 12-16 s)
 STALL = [12.0]
+
+
+class ForkCpu:
+    """The fork server's CPU from its ready line (its preload done) to the end of a run."""
+
+    def __init__(self, err: Path) -> None:
+        self.err = err
+        self.server: psutil.Process | None = None
+        self.ready = self.end = 0.0
+
+    def poll(self, final: bool = False) -> None:
+        with contextlib.suppress(psutil.Error, OSError):
+            if self.server is None and (m := READY.search(self.err.read_text())):
+                self.server = psutil.Process(int(m.group(1)))
+                self.ready = spent(self.server)
+            if final and self.server is not None:
+                self.end = spent(self.server)
+
+    def per_attempt(self, launches: int) -> float | None:
+        """Seconds per launch (each forks the next attempt's standbys); None if unknown
+        (no server seen, or it was replaced: auto's second server)."""
+        if self.server is None or not self.end:
+            return None
+        return (self.end - self.ready) / launches
+
+
+def done(out: Path, ranks: int, crashes: int) -> bool:
+    """Whether the last recovery has happened (every rank of the last attempt stepped):
+    the run's figures are complete, and its fork server is sampled before it stops."""
+    return all((out / f"a{crashes}_r{r}.json").exists() for r in range(ranks))
 
 
 def stalled(out: Path, ranks: int, crashes: int) -> bool:
@@ -232,6 +273,8 @@ def main() -> int:
     ap.add_argument("--stall", type=float, default=STALL[0],
                     help="seconds after a crash without a first step: a failed recovery")
     a = ap.parse_args()
+    print(f"import torch alone: {import_seconds('torch'):.2f} s on this machine; the job "
+          "steps every 20 ms, mostly waiting", file=sys.stderr, flush=True)
     CRASH_AFTER[1] = str(a.crash_after)
     STALL[0] = a.stall
     results = []
@@ -259,6 +302,8 @@ def main() -> int:
         print("\nPreloaded standby, median per standby: "
               + "; ".join(f"{r['launcher']}, {r['ranks']} ranks, {r['crash']}: RSS "
                           f"{r['standby_rss_mib']:.0f} MiB, USS {r['standby_uss_mib']:.0f} MiB"
+                          + (f", fork server CPU per attempt {r['fork_cpu_per_attempt_ms']:.1f} ms"
+                             if r.get("fork_cpu_per_attempt_ms") else "")
                           for r in mem))
     if a.json:
         a.json.write_text(json.dumps(results, indent=1) + "\n")
@@ -279,6 +324,7 @@ def summarise(cell: Cell, ranks: int, mode: str, seconds: float) -> dict[str, ob
         "standby_uss_mib": (median([float(v) for v in cell.standby_uss]) or 0) / 2**20 or None,
         "fork_server_rss_mib": (median([float(v) for v in cell.server_rss]) or 0) / 2**20
         or None,
+        "fork_cpu_per_attempt_ms": (median(cell.fork_cpu) or 0) * 1e3 or None,
         "seconds": round(seconds, 1),
     }
 
