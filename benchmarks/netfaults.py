@@ -16,7 +16,9 @@ right after a member's isolation, before any watch noticed it; the member is a r
 follower), ``member-leave-leader`` (the same, the isolated member being the raft leader;
 both need etcdctl), ``outage`` (etcd gone for every
 node: ridden out with the same workers), ``lossy`` (5 % of the frames between the nodes
-and etcd dropped: no spurious restart). Prints one JSON object per run and a table.
+and etcd dropped: no spurious restart), ``slow-link`` (the issue's case: 200 ms RTT and 5 %
+loss between the nodes and etcd, the lab's delayer standing in for netem: time to form, and
+no spurious restart in 120 s; needs iptables and fnfqueue). Prints one JSON object per run.
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from tests.support import netjob
-from tests.support.netlab import sweep_stale, unavailable
+from tests.support.netlab import delay_unavailable, sweep_stale, unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 
 CASES = ("cut", "cut-restart", "member", "member-leave", "member-leave-leader", "outage",
-         "lossy")
+         "lossy", "slow-link")
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -64,6 +66,9 @@ def one(case: str, args: argparse.Namespace, code: Path, cut: float | None
                                             raft_leader=case == "member-leave-leader")
     if case == "outage":
         return netjob.etcd_down_for_everyone(ttl=args.ttl, outage=args.outage, code=code)
+    if case == "slow-link":
+        return netjob.lossy_links(ttl=args.ttl, percent=args.loss, rtt_ms=args.rtt,
+                                  seconds=args.run, code=code)
     return netjob.lossy_links(ttl=args.ttl, percent=args.loss, seconds=args.run, code=code)
 
 
@@ -86,9 +91,12 @@ def main() -> None:
     p.add_argument("--outage", type=float, default=None, help="whole-etcd outage (20, quick 6)")
     p.add_argument("--settle", type=float, default=None,
                    help="seconds after isolating a member before the leave (default 2 TTL)")
-    p.add_argument("--loss", type=int, default=5, help="percent of frames lost (lossy)")
+    p.add_argument("--loss", type=int, default=5,
+                   help="percent of frames lost (lossy, slow-link)")
+    p.add_argument("--rtt", type=float, default=200, help="round trip to etcd in ms (slow-link)")
     p.add_argument("--run", type=float, default=None,
-                   help="seconds the lossy job runs once formed (default 120, quick 20)")
+                   help="seconds the lossy and slow-link jobs run once formed "
+                        "(default 120, quick 20)")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--code", default=str(REPO), help="source tree the supervisors run")
@@ -99,6 +107,8 @@ def main() -> None:
     args.settle = args.settle or 2.0 * args.ttl
     args.run = args.run or (20.0 if args.quick else 120.0)
     reason = unavailable()
+    if reason is None and "slow-link" in args.cases.split(","):
+        reason = delay_unavailable()
     if reason:
         raise SystemExit(f"netfaults: {reason}")
     sweep_stale()

@@ -3,10 +3,10 @@ packets between two of its hosts are really held, clearing lets them pass again,
 still drops delayed traffic, and no delayer outlives its lab, also when the lab's process
 is SIGKILLed.
 
-A TCP connect to a port nobody listens on is answered by a RST: it takes exactly one round
-trip, SYN one way and RST the other, so its time is at least the sum of the two delays (a
-lower bound: the delayer never passes a packet early). Root, ``ip netns``, iptables
-(legacy) and fnfqueue are needed (skipped with the reason otherwise).
+A TCP connect to a port nobody listens on is answered by a RST (``netlab.round_trip``): it
+takes exactly one round trip, SYN one way and RST the other, so its time is at least the
+sum of the two delays (a lower bound: the delayer never passes a packet early). Root,
+``ip netns``, iptables (legacy) and fnfqueue are needed (skipped with the reason otherwise).
 """
 
 from __future__ import annotations
@@ -20,22 +20,18 @@ import sys
 import pytest
 
 from tests.support import deps
-from tests.support.netlab import Host, NetLab, delay_unavailable, namespaces, sweep_stale
+from tests.support.netlab import (
+    NetLab,
+    delay_unavailable,
+    namespaces,
+    round_trip,
+    sweep_stale,
+)
 from tests.support.netlab import unavailable as lab_unavailable
 from tests.support.paths import REPO
 from tests.support.processes import pid_alive, wait_dead
 
 ONE_WAY = 0.2  # seconds each way
-PORT = 9  # nobody listens: the SYN is answered by a RST
-# one round trip: the connect's time, or "timeout" when no answer came within 2 s
-_CONNECT = ("import socket, sys, time\n"
-            "start = time.monotonic()\n"
-            "try:\n"
-            "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()\n"
-            "except ConnectionRefusedError:\n    pass\n"
-            "except TimeoutError:\n    print('timeout'); sys.exit()\n"
-            "print(time.monotonic() - start)\n")
-
 # the lab's own process for the SIGKILL test: a lab with a delay, then wait to be killed
 _OWNER = ("import sys\n"
           "from tests.support.netlab import NetLab\n"
@@ -51,15 +47,6 @@ def _delay_available() -> None:
     reason = lab_unavailable() or delay_unavailable()
     if reason is not None:
         deps.missing(reason)
-
-
-def round_trip(src: Host, dst: Host) -> float | None:
-    """One TCP round trip from ``src`` to ``dst`` in seconds (None: no answer in 2 s)."""
-    done = subprocess.run(["ip", "netns", "exec", src.ns, sys.executable, "-c", _CONNECT,
-                           dst.addr, str(PORT)], capture_output=True, text=True, timeout=30,
-                          check=True)
-    out = done.stdout.strip()
-    return None if out == "timeout" else float(out)
 
 
 def test_a_round_trip_across_a_delayed_link_takes_at_least_both_delays() -> None:

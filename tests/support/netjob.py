@@ -27,7 +27,7 @@ from typing import Any
 
 from tests.support import deps
 from tests.support.eventlog import read_events
-from tests.support.netlab import Host, NetLab, unavailable
+from tests.support.netlab import Host, NetLab, delay_unavailable, round_trip, unavailable
 from tests.support.paths import FAKE_WORKER, REPO
 
 CLIENT_PORT, PEER_PORT, HEALTH_PORT = 2379, 2380, 8080  # inside the lab's namespaces only
@@ -37,10 +37,11 @@ POLL = 0.05  # seconds between two reads of the event logs while waiting on them
 ETCDCTL = "apt-get install etcd-client (.ci/run does)"
 
 
-def need_lab(*, etcdctl: bool = False) -> None:
+def need_lab(*, etcdctl: bool = False, delay: bool = False) -> None:
     """Skip with the reason (fail under ELASTIC_SUPERVISOR_REQUIRE_DEPS=1) where network
-    namespaces, etcd (or, when asked, etcdctl: ``Job.etcd_get``) are not available."""
-    reason = unavailable()
+    namespaces, etcd (or, when asked, etcdctl: ``Job.etcd_get``; the lab's delay) are not
+    available."""
+    reason = unavailable() or (delay_unavailable() if delay else None)
     if reason is not None:
         deps.missing(reason)
     deps.need_binary("etcd")
@@ -438,27 +439,43 @@ def etcd_down_for_everyone(*, ttl: int, outage: float, code: Path = REPO,
         }
 
 
-def lossy_links(*, ttl: int, percent: int, seconds: float, code: Path = REPO,
-                keep: Path | None = None) -> dict[str, Any]:
+def lossy_links(*, ttl: int, percent: int, seconds: float, rtt_ms: float = 0,
+                code: Path = REPO, keep: Path | None = None) -> dict[str, Any]:
     """Nodes A, B, C and one etcd; ``percent`` % of the frames between every node and etcd
-    are dropped at random from the start (nftables ``numgen``; no netem here). Figures:
-    how long the job took to form, and the spurious stops and watch moves meanwhile."""
+    are dropped at random (nftables ``numgen``) and, with ``rtt_ms``, every packet between
+    them is held half of it each way (the lab's delayer; no netem here), from before each
+    supervisor starts. Figures: how long the job took to form (until all three ran a
+    3-node group, from the supervisors' spawn and from the first one's
+    ``supervisor_started``; a 2-node round first, restarted when the third node came, is
+    part of forming), and the spurious stops (after forming), the outages and watch
+    moves."""
     with job(ttl=ttl, code=code, keep=keep) as j:
         j.start_etcd(1)
-        nodes = []
+        etcd = j.members[0].host
+        hosts = [j.lab.host(label) for label in "abc"]
+        for host in hosts:
+            if percent:
+                j.lab.lossy(host, etcd, percent)
+            if rtt_ms:
+                j.lab.delay(host, etcd, rtt_ms / 2)
+                j.lab.delay(etcd, host, rtt_ms / 2)
         started = time.monotonic()
-        for label in "abc":
-            node = j.start_node(label)
-            j.lab.lossy(node.host, j.members[0].host, percent)
-            nodes.append(node)
+        nodes = [j.start_node(host.label, host=host) for host in hosts]
         formed = j.wait_group(nodes, 3, timeout=120)
         before = [n.pids() for n in nodes]
         wait_for("the run", lambda: time.monotonic() - formed >= seconds, seconds + 5)
+        # the delay was there: connects to etcd's client port (a loss makes one longer)
+        probes = [round_trip(hosts[0], etcd, CLIENT_PORT) for _ in range(3)]
         return {
-            "ttl": ttl, "loss_percent": percent, "seconds": seconds,
+            "ttl": ttl, "loss_percent": percent, "rtt_ms": rtt_ms, "seconds": seconds,
+            "probe_rtt_min": min((p for p in probes if p is not None), default=None),
             "formed_after": formed - started,
+            # the same without the interpreters' start (slow on a loaded machine)
+            "formed_after_first_supervisor_up": formed - min(
+                float(n.events("supervisor_started")[0]["mono"]) for n in nodes),
             "same_pids": [n.pids() for n in nodes] == before,
-            "group_stops": sum(1 for n in nodes for _ in n.events("group_stopped")),
+            "group_stops": sum(1 for n in nodes for e in n.events("group_stopped")
+                               if float(e["mono"]) > formed),
             "watch_moves": sum(1 for n in nodes for e in n.events("etcd_watch")
                                if not e.get("live")),
             "outages": sum(1 for n in nodes for _ in n.events("etcd_unreachable")),

@@ -88,6 +88,29 @@ def delay_unavailable() -> str | None:
     return None
 
 
+# one TCP round trip: a connect's time (a RST from a closed port also ends it), "timeout"
+_CONNECT = ("import socket, sys, time\n"
+            "start = time.monotonic()\n"
+            "try:\n"
+            "    socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=2).close()\n"
+            "except ConnectionRefusedError:\n    pass\n"
+            "except TimeoutError:\n    print('timeout'); sys.exit()\n"
+            "print(time.monotonic() - start)\n")
+
+
+def round_trip(src: Host, dst: Host, port: int = 9) -> float | None:
+    """One TCP round trip from ``src`` to ``dst`` in seconds, measured inside ``src``'s
+    namespace: a connect to ``port``, answered by a SYN-ACK, or by a RST where nobody
+    listens (the default, the discard port), the SYN one way and the answer the other.
+    None: no answer within 2 s."""
+    done = subprocess.run(["ip", "netns", "exec", src.ns, sys.executable, "-c", _CONNECT,
+                           dst.addr, str(port)], capture_output=True, text=True, timeout=30)
+    if done.returncode != 0:
+        raise RuntimeError(f"round trip from {src.label}: {done.stderr.strip()}")
+    out = done.stdout.strip()
+    return None if out == "timeout" else float(out)
+
+
 def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if done.returncode != 0:
