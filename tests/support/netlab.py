@@ -281,12 +281,15 @@ class NetLab:
         between them is the sum of both ways), replacing any delay of that way."""
         self.clear_delay(a, b)
         delayer = self._delayers.get(ms) or self._start_delayer(ms)
+        if delayer.proc.poll() is not None:  # its queue would drop everything: say so
+            raise RuntimeError(f"the {ms:g} ms delayer exited ({delayer.proc.returncode})")
         _in(self.switch, IPTABLES, "-w", "-A", "FORWARD", *self._queued(a, b, delayer))
         delayer.pairs.add((a.addr, b.addr))
         self._delays[(a.addr, b.addr)] = ms
 
     def clear_delay(self, a: Host, b: Host) -> None:
-        """Packets from ``a`` to ``b`` pass at once again (those held go when due)."""
+        """Packets from ``a`` to ``b`` pass at once again (those held go when due); a
+        delayer that died meanwhile is reported here, once its rules are gone."""
         ms = self._delays.pop((a.addr, b.addr), None)
         if ms is None:
             return
@@ -300,10 +303,8 @@ class NetLab:
         """The delayer processes running now."""
         return list(self._delayers.values())
 
-    def _queued(self, a: Host, b: Host, delayer: Delayer) -> list[str]:
-        if delayer.proc.poll() is not None:  # its queue drops everything: say so
-            raise RuntimeError(f"the {delayer.ms:g} ms delayer exited "
-                               f"({delayer.proc.returncode})")
+    @staticmethod
+    def _queued(a: Host, b: Host, delayer: Delayer) -> list[str]:
         return ["-s", a.addr, "-d", b.addr, "-j", "NFQUEUE", "--queue-num", str(delayer.queue)]
 
     def _start_delayer(self, ms: float) -> Delayer:
