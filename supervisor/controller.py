@@ -362,15 +362,27 @@ class Controller:
         self.progress.reset(decision.attempt)
         self.events.attempt = group.shown_attempt(decision.attempt)
         try:
-            attempt, failed_to_start = group.launch(decision.attempt, decision.restart_count,
-                                                    self.round)
+            attempt = group.begin(decision.attempt, decision.restart_count, self.round)
         except AttemptPrepError as exc:
-            logger.error("%s (the supervisor's failure, not the workers': no restart is used)",
-                         exc)
-            self.events.emit("attempt_prepare_failed", message=str(exc))
-            self._post(sm.LaunchFailed(decision.attempt, str(exc), time.monotonic()))
+            self._launch_failed(decision, exc)
             return
         self.events.attempt = group.shown_attempt(decision.attempt)  # a taken K was skipped
+        # its ranks start in a task: the loop serves /healthz and the FIFO between two
+        self._tg.start_soon(self._start_group, decision, attempt)
+
+    def _launch_failed(self, decision: sm.LaunchGroup, exc: AttemptPrepError) -> None:
+        logger.error("%s (the supervisor's failure, not the workers': no restart is used)", exc)
+        self.events.emit("attempt_prepare_failed", message=str(exc))
+        self._post(sm.LaunchFailed(decision.attempt, str(exc), time.monotonic()))
+
+    async def _start_group(self, decision: sm.LaunchGroup, attempt: Attempt) -> None:
+        group = self.group
+        assert self._tg is not None
+        try:
+            failed_to_start = await group.start(attempt)
+        except AttemptPrepError as exc:
+            self._launch_failed(decision, exc)
+            return
         self._tg.start_soon(group.supervise, attempt, self.membership.watch, self._watch_node)
         layout = attempt.layout
         self.events.emit(
@@ -385,9 +397,9 @@ class Controller:
         # reported through the inbox like any event: behind whatever was queued before
         # (a shutdown request then meets the launch in STOPPING, an edge of its own)
         now = time.monotonic()
-        self._post(
-            sm.GroupLaunched(decision.attempt, frozenset(range(layout.local_world_size)), now)
-        )
+        # every rank, unless a stop decided meanwhile left some unstarted
+        ranks = {w.local_rank for w in attempt.workers} | {r for r, _ in failed_to_start}
+        self._post(sm.GroupLaunched(decision.attempt, frozenset(ranks), now))
         for local_rank, message in failed_to_start:
             self._post(sm.WorkerFailedToStart(decision.attempt, local_rank, message, now))
         self._launched_once.set()
@@ -466,10 +478,11 @@ class Controller:
     def live_worker_ranks(self) -> dict[int, int]:
         """{pid: local rank} of the current attempt's workers that have not exited.
 
-        Empty unless the group is running: deadlines posted while a group is stopping or
-        before it started are not progress and must not be enforced.
+        Empty unless the group runs or its ranks are being started (a rank that started
+        first may post before the last one has): deadlines posted while a group is
+        stopping or before it started are not progress and must not be enforced.
         """
         attempt = self.attempt
-        if attempt is None or self.state.phase is not sm.Phase.RUNNING:
+        if attempt is None or self.state.phase not in (sm.Phase.RUNNING, sm.Phase.STARTING):
             return {}
         return {w.pid: w.local_rank for w in attempt.workers if w.status is None}

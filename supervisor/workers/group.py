@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 
 from supervisor.config import Settings
@@ -68,6 +69,10 @@ class AttemptPrepError(OSError):
     """The supervisor could not prepare an attempt (its own failure, not the workers')."""
 
 
+class _Stopped(Exception):
+    """A stop of the attempt was decided while its ranks were being prepared."""
+
+
 @dataclass(eq=False)
 class Attempt:
     """One incarnation of the worker group."""
@@ -81,6 +86,9 @@ class Attempt:
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     kill_now: anyio.Event = field(default_factory=anyio.Event)
     stopping: bool = False  # set when its stop is decided: no new standbys from then on
+    # set once ``WorkerGroup.start`` is done with it (every rank started, or it stopped
+    # starting them because a stop was decided meanwhile): a stop waits for it
+    started: anyio.Event = field(default_factory=anyio.Event)
     # workers that failed before the stop was decided, in the order their exits were seen
     failures: list[WorkerFailure] = field(default_factory=list)
 
@@ -131,10 +139,16 @@ class WorkerGroup:
         self.dir_base = _next_attempt_index(log_root / run_id)
 
     # ------------------------------------------------------------------ launch
-    def launch(
+    async def launch(
         self, number: int, restart_count: int, rnd: RendezvousResult
     ) -> tuple[Attempt, list[tuple[int, str]]]:
         """Start every local rank of attempt ``number``; returns it and ranks that failed."""
+        attempt = self.begin(number, restart_count, rnd)
+        return attempt, await self.start(attempt)
+
+    def begin(self, number: int, restart_count: int, rnd: RendezvousResult) -> Attempt:
+        """Attempt ``number``, its directory made: the current attempt from now on (a stop
+        decided while its ranks start stops it). Raises ``AttemptPrepError``."""
         dir_index = self.dir_base + number - 1
         layout = GroupLayout(
             run_id=self.run_id,
@@ -159,18 +173,34 @@ class WorkerGroup:
                                    f"{exc}") from exc
         self.dir_base += created.index - dir_index  # a taken index was skipped
         attempt = Attempt(number, created.index, created.path, rnd, layout)
-        specs = self._prepare(attempt)  # raises AttemptPrepError: nothing was started
         self.attempt = attempt
         self.pool.begin(attempt)
-        failed_to_start: list[tuple[int, str]] = []
-        for spec in specs:
-            try:
-                attempt.workers.append(self._start(spec))
-            except OSError as exc:
-                logger.error("cannot start local rank %d: %s", spec.local_rank, exc)
-                failed_to_start.append((spec.local_rank, str(exc)))
-        self.pool.launched(attempt)
-        return attempt, failed_to_start
+        return attempt
+
+    async def start(self, attempt: Attempt) -> list[tuple[int, str]]:
+        """Prepare, then start, every local rank of ``attempt``; the ranks that failed to
+        start. The event loop runs between two ranks (opening a rank's logs and starting
+        it take a millisecond or two each: eight at once held /healthz for tens of
+        milliseconds at every restart). If a stop of the attempt is decided meanwhile, no
+        further rank is started. Raises ``AttemptPrepError`` with nothing started."""
+        try:
+            specs = await self._prepare(attempt)
+            failed_to_start: list[tuple[int, str]] = []
+            for index, spec in enumerate(specs):
+                if attempt.stopping:
+                    for rest in specs[index:]:
+                        self.output.after_spawn(rest.local_rank)  # their pipes reach EOF
+                    break
+                try:
+                    attempt.workers.append(self._start(spec))
+                except OSError as exc:
+                    logger.error("cannot start local rank %d: %s", spec.local_rank, exc)
+                    failed_to_start.append((spec.local_rank, str(exc)))
+                await anyio.lowlevel.checkpoint()
+            self.pool.launched(attempt)
+            return failed_to_start
+        finally:
+            attempt.started.set()
 
     async def settle(self) -> None:
         """Before a launch: the standbys still to come that are worth waiting for
@@ -205,8 +235,9 @@ class WorkerGroup:
             error_file=str(attempt.error_file(local_rank)), timer_file=self.timer_file,
         )
 
-    def _prepare(self, attempt: Attempt) -> list[WorkerSpec]:
-        """Directories, environment and output of every rank, before any is started.
+    async def _prepare(self, attempt: Attempt) -> list[WorkerSpec]:
+        """Directories, environment and output of every rank, before any is started (none,
+        if a stop is decided meanwhile).
 
         A failure here (full disk, no inodes, a directory that cannot be made) is the
         supervisor's, not the workers': it raises ``AttemptPrepError`` with nothing left
@@ -214,6 +245,10 @@ class WorkerGroup:
         specs: list[WorkerSpec] = []
         try:
             for local_rank in range(attempt.layout.local_world_size):
+                if local_rank:
+                    await anyio.lowlevel.checkpoint()
+                if attempt.stopping:
+                    raise _Stopped
                 rank_dir = attempt.directory / str(local_rank)  # made with the attempt's
                 env = self._rank_env(attempt, local_rank)
                 global_rank = attempt.layout.rank_offset + local_rank
@@ -224,9 +259,11 @@ class WorkerGroup:
                 )
                 specs.append(WorkerSpec(local_rank, global_rank, argv, env, stdout, stderr,
                                         cpus=self.cpus(local_rank)))
-        except OSError as exc:
+        except (OSError, _Stopped) as exc:
             for spec in specs:
                 self.output.after_spawn(spec.local_rank)  # their pipes reach EOF
+            if isinstance(exc, _Stopped):
+                return []
             raise AttemptPrepError(f"cannot prepare {attempt.directory}: {exc}") from exc
         return specs
 
@@ -311,6 +348,8 @@ class WorkerGroup:
     async def stop(self, attempt: Attempt | None, signum: int) -> None:
         """Stop the attempt's workers: ``signum``, the grace, SIGKILL, sweep, reap."""
         self.stopping(attempt)
+        if attempt is not None:
+            await attempt.started.wait()  # it starts no further rank once it sees the stop
         await self.pool.halt(attempt)
         if attempt is None or not attempt.workers:
             return

@@ -15,9 +15,9 @@ from supervisor.config import Settings
 from supervisor.core import state as sm
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import RendezvousResult
-from supervisor.workers.group import WorkerGroup
+from supervisor.workers.group import Attempt, WorkerGroup
 from supervisor.workers.output import OutputPlan
-from supervisor.workers.spawn import DeathSignal, Start
+from supervisor.workers.spawn import DeathSignal, Start, Worker, WorkerSpec
 from supervisor.workers.warm.base import NullPool
 from tests.support.paths import FAKE_WORKER
 
@@ -39,7 +39,7 @@ def _group(tmp_path: Path, args: list[str], post: list[sm.Event]) -> WorkerGroup
 async def test_each_exit_is_posted_with_its_attempt_and_code(tmp_path: Path) -> None:
     posted: list[sm.Event] = []
     group = _group(tmp_path, ["--exit", "3"], posted)
-    attempt, failed = group.launch(1, 0, ROUND)
+    attempt, failed = await group.launch(1, 0, ROUND)
     assert failed == []
     assert [w.start for w in attempt.workers] == [Start(), Start()]  # cold, no reason
     with anyio.fail_after(30):
@@ -53,7 +53,7 @@ async def test_each_exit_is_posted_with_its_attempt_and_code(tmp_path: Path) -> 
 async def test_a_stop_ends_every_worker_of_the_attempt(tmp_path: Path) -> None:
     posted: list[sm.Event] = []
     group = _group(tmp_path, ["--hang"], posted)
-    attempt, _ = group.launch(1, 0, ROUND)
+    attempt, _ = await group.launch(1, 0, ROUND)
     async with anyio.create_task_group() as tg:
         tg.start_soon(group.supervise, attempt)
         with anyio.fail_after(30):
@@ -61,6 +61,58 @@ async def test_a_stop_ends_every_worker_of_the_attempt(tmp_path: Path) -> None:
     assert all(w.reaped for w in attempt.workers)
     assert attempt.stopping
     assert group.exempt() == set()  # the null pool holds no standby
+    group.close()
+
+
+class TellTake(NullPool):
+    """Says when the group asks for rank 0's standby (there is none: it starts cold)."""
+
+    def __init__(self) -> None:
+        self.taken = anyio.Event()
+
+    def take(self, spec: WorkerSpec) -> Worker | None:
+        self.taken.set()
+        return None
+
+
+async def test_a_stop_decided_while_the_ranks_start_starts_no_further_rank(
+        tmp_path: Path) -> None:
+    """Ranks start one at a time with the loop running between them: a stop decided
+    meanwhile ends the ranks already started and starts no other; the stop waits for the
+    start to see it."""
+    posted: list[sm.Event] = []
+    group = _group(tmp_path, ["--hang"], posted)
+    group.pool = pool = TellTake()
+    attempt = group.begin(1, 0, ROUND)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(group.start, attempt)
+        with anyio.fail_after(30):
+            await pool.taken.wait()  # rank 0 is starting
+            await group.stop(attempt, signal.SIGTERM)
+    assert attempt.started.is_set()
+    assert [w.local_rank for w in attempt.workers] == [0]  # rank 1 never started
+    assert all(w.reaped for w in attempt.workers)
+    group.close()
+
+
+async def test_a_stop_decided_while_the_ranks_are_prepared_starts_none(
+        tmp_path: Path) -> None:
+    posted: list[sm.Event] = []
+    group = _group(tmp_path, ["--hang"], posted)
+    command = group.command
+    holder: list[Attempt] = []
+
+    def stop_at_rank_1(local_rank: int, global_rank: int, rank_dir: Path) -> list[str]:
+        if local_rank == 1:
+            holder[0].stopping = True
+        return command(local_rank, global_rank, rank_dir)
+
+    group.command = stop_at_rank_1
+    attempt = group.begin(1, 0, ROUND)
+    holder.append(attempt)
+    with anyio.fail_after(30):
+        assert await group.start(attempt) == []
+    assert attempt.workers == [] and attempt.started.is_set()
     group.close()
 
 
