@@ -180,7 +180,8 @@ async def test_graceful_stop_sweeps_a_grandchild_in_its_own_session(tmp_path: Pa
 async def test_hundred_failure_restarts_leak_no_fd_thread_memory_or_child(
     tmp_path: Path,
 ) -> None:
-    """benchmarks/leak_check.py with 100 restarts: fds and threads unchanged, RSS within
+    """benchmarks/leak_check.py with 100 restarts: fds unchanged, no more threads (anyio's
+    idle worker threads given the 10 s they live), RSS within
     5 MB, the same children, nothing left after SIGTERM."""
     out = tmp_path / "leak.json"
     cmd = [sys.executable, str(REPO / "benchmarks" / "leak_check.py"), "--restarts", "100",
@@ -192,7 +193,7 @@ async def test_hundred_failure_restarts_leak_no_fd_thread_memory_or_child(
     data = json.loads(out.read_text())
     assert data["misses"] == [] and data["orphans"] == 0, report
     before, after = data["before"], data["after"]
-    assert after["fds"] == before["fds"] and after["threads"] == before["threads"], report
+    assert after["fds"] == before["fds"] and after["threads"] <= before["threads"], report
     assert after["rss_mb"] - before["rss_mb"] <= 5.0, report
 
 
