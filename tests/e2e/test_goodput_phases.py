@@ -92,8 +92,10 @@ async def test_hang_is_lost_from_the_ranks_last_progress(tmp_path: Path) -> None
     assert all(0 <= e < TOLERANCE for e in errors.values()), errors
     # noticed when the 0.5 s deadline expired, not before. The worker stamps the expiry
     # (its clock, then the FIFO write); the rank's last progress is when we read the post:
-    # the post's transit makes detect that much shorter (a run saw 0.499953 s)
-    assert rec["phases"]["detect"] >= 0.5 - FIFO_TRANSIT
+    # the post's transit makes detect that much shorter (a run saw 0.499953 s), and so
+    # does a late read of it ("failed" above: a loaded CI run read it 0.218 s late and saw
+    # detect 0.283 s): from the worker's own last post, the hang is never seen early
+    assert rec["phases"]["detect"] + errors["failed"] >= 0.5 - FIFO_TRANSIT
 
 
 async def test_ranks_without_progress_signal_are_recorded_as_such(tmp_path: Path) -> None:
