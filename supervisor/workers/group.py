@@ -69,10 +69,6 @@ class AttemptPrepError(OSError):
     """The supervisor could not prepare an attempt (its own failure, not the workers')."""
 
 
-class _Stopped(Exception):
-    """A stop of the attempt was decided while its ranks were being prepared."""
-
-
 @dataclass(eq=False)
 class Attempt:
     """One incarnation of the worker group."""
@@ -188,8 +184,7 @@ class WorkerGroup:
             failed_to_start: list[tuple[int, str]] = []
             for index, spec in enumerate(specs):
                 if attempt.stopping:
-                    for rest in specs[index:]:
-                        self.output.after_spawn(rest.local_rank)  # their pipes reach EOF
+                    self._release(specs[index:])
                     break
                 try:
                     attempt.workers.append(self._start(spec))
@@ -248,7 +243,8 @@ class WorkerGroup:
                 if local_rank:
                     await anyio.lowlevel.checkpoint()
                 if attempt.stopping:
-                    raise _Stopped
+                    self._release(specs)
+                    return []
                 rank_dir = attempt.directory / str(local_rank)  # made with the attempt's
                 env = self._rank_env(attempt, local_rank)
                 global_rank = attempt.layout.rank_offset + local_rank
@@ -259,13 +255,15 @@ class WorkerGroup:
                 )
                 specs.append(WorkerSpec(local_rank, global_rank, argv, env, stdout, stderr,
                                         cpus=self.cpus(local_rank)))
-        except (OSError, _Stopped) as exc:
-            for spec in specs:
-                self.output.after_spawn(spec.local_rank)  # their pipes reach EOF
-            if isinstance(exc, _Stopped):
-                return []
+        except OSError as exc:
+            self._release(specs)
             raise AttemptPrepError(f"cannot prepare {attempt.directory}: {exc}") from exc
         return specs
+
+    def _release(self, specs: list[WorkerSpec]) -> None:
+        """Close our copies of unstarted ranks' pipe ends: their pipes reach EOF."""
+        for spec in specs:
+            self.output.after_spawn(spec.local_rank)
 
     def _start(self, spec: WorkerSpec) -> Worker:
         try:
