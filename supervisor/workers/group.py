@@ -183,6 +183,8 @@ class WorkerGroup:
             specs = await self._prepare(attempt)
             failed_to_start: list[tuple[int, str]] = []
             for index, spec in enumerate(specs):
+                if not attempt.stopping:
+                    await self.pool.ready(spec.local_rank)
                 if attempt.stopping:
                     self._release(specs[index:])
                     break

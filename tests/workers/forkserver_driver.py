@@ -13,6 +13,7 @@ CODE}``, and ``{"driver": PID, "server": PID}``.
 
 import json
 import os
+import select
 import sys
 
 from supervisor.core.envs import interpreter
@@ -24,7 +25,7 @@ from supervisor.workers.warm.forkserver import (
     Wanted,
     cold_path0,
 )
-from supervisor.workers.warm.standby import Standby
+from supervisor.workers.warm.standby import SETUP_WAIT, Standby
 
 
 def say(**what: object) -> None:
@@ -80,6 +81,8 @@ def main() -> int:
         standby = Standby(standby_of.process, standby_of.sock, prefix, env, forked=True)
         spec = WorkerSpec(rank, rank, argv, {**env, **per_attempt}, stdout=1, stderr=2,
                           cwd=config.get("cwd"))
+        # as the pool's ready(): the set-up report may take up to SETUP_WAIT s to come
+        select.select([standby_of.sock], [], [], SETUP_WAIT)
         worker = standby.go(spec, per_attempt)
         if worker is None:
             say(rank=rank, pid=standby_of.process.pid, exit=None)

@@ -30,6 +30,9 @@ class Pool(Protocol):
     def begin(self, attempt: Attempt) -> None:
         """``attempt`` is about to start its ranks (``take`` serves it)."""
 
+    async def ready(self, local_rank: int) -> None:
+        """Before ``take``: wait (briefly, bounded) for the rank's standby to be ready."""
+
     def take(self, spec: WorkerSpec) -> Worker | None:
         """The rank's worker started in its standby; None: start it cold."""
 
@@ -74,6 +77,9 @@ class NullPool:
     """No standbys: every worker starts cold (``--no-warm-restart``)."""
 
     def begin(self, attempt: Attempt) -> None:
+        return None
+
+    async def ready(self, local_rank: int) -> None:
         return None
 
     def take(self, spec: WorkerSpec) -> Worker | None:

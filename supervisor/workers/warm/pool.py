@@ -36,6 +36,7 @@ from supervisor.workers.warm.base import Preview, attempt_may_follow
 from supervisor.workers.warm.forkserver import ForkServerConfig, Wanted, cold_path0
 from supervisor.workers.warm.standby import (
     PER_ATTEMPT_ENV,
+    SETUP_WAIT,
     Standby,
     StandbyOptions,
     discard_all,
@@ -127,6 +128,7 @@ class WarmPool:
         self.membership_can_change = membership_can_change
         self.guardian = guardian
         self.standbys: dict[int, Standby] = {}  # local rank -> its warm interpreter
+        self._reported: dict[int, anyio.Event] = {}  # local rank -> set once it reported
         explicit = tuple(m for m in settings.preload if m != "auto")
         self.options = StandbyOptions(preload=explicit, auto="auto" in settings.preload)
         self.auto_names: dict[int, list[str]] = {}  # local rank -> its last worker's imports
@@ -542,7 +544,7 @@ class WarmPool:
             self.guardian.watch(standby.pid)
         logger.debug("standby for local rank %d started as pid %d",
                      standby.local_rank, standby.pid)
-        reported = anyio.Event()
+        reported = self._reported[standby.local_rank] = anyio.Event()
         tg.start_soon(self._watch_report, standby, reported)
         return reported
 
@@ -636,15 +638,31 @@ class WarmPool:
             self._learn_store(attempt)
 
     # ------------------------------------------------------------------ the hand-off
-    def take(self, spec: WorkerSpec) -> Worker | None:
-        """Start the worker in its rank's standby; None if there is none or it cannot.
-        The first attempt starts cold unless this node waited as a spare or
-        ``--fork-first-attempt`` is given: its standbys then serve the first restart."""
+    def _serves(self) -> bool:
+        """Whether this launch's ranks start in standbys: the first attempt starts cold
+        unless this node waited as a spare or ``--fork-first-attempt`` is given (its
+        standbys then serve the first restart)."""
         attempt = self._attempt
-        if self._launches == 0 and not (
-                self.settings.fork_first_attempt
-                or (attempt is not None and attempt.round.spare)):
+        return self._launches > 0 or self.settings.fork_first_attempt \
+            or (attempt is not None and attempt.round.spare)
+
+    async def ready(self, local_rank: int) -> None:
+        """Before ``take``: give the rank's forked standby, if it is still setting itself
+        up (milliseconds, one after another in its batch), at most ``SETUP_WAIT`` s to
+        report; the loop runs meanwhile."""
+        standby = self.standbys.get(local_rank)
+        reported = self._reported.get(local_rank)
+        if not self._serves() or standby is None or not standby.forked or reported is None:
+            return
+        with anyio.move_on_after(SETUP_WAIT):
+            await reported.wait()
+
+    def take(self, spec: WorkerSpec) -> Worker | None:
+        """Start the worker in its rank's standby; None if there is none or it cannot
+        (``_serves``)."""
+        if not self._serves():
             return None
+        self._reported.pop(spec.local_rank, None)
         standby = self.standbys.pop(spec.local_rank, None)
         if standby is None:
             return None

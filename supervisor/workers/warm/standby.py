@@ -16,7 +16,6 @@ import functools
 import logging
 import marshal
 import os
-import select
 import signal
 import socket
 import time
@@ -39,8 +38,9 @@ GO_TIMEOUT = 2.0  # seconds the go message may take to be accepted before a cold
 SETUP_WAIT = 0.5
 HEADER = 8  # bytes: big-endian length of the marshalled go message
 
-__all__ = ["PER_ATTEMPT_ENV", "Standby", "StandbyOptions", "discard_all", "env_mismatch",
-           "is_standby_command", "spawn_standby", "standby_code", "standby_env"]
+__all__ = ["PER_ATTEMPT_ENV", "SETUP_WAIT", "Standby", "StandbyOptions", "discard_all",
+           "env_mismatch", "is_standby_command", "spawn_standby", "standby_code",
+           "standby_env"]
 
 
 @functools.cache
@@ -211,11 +211,8 @@ class Standby:
                       start=Start(warm=True))
 
     def _set_up(self) -> bool:
-        """Whether a forked standby has finished its set-up (waits at most SETUP_WAIT)."""
-        if self.report() is None:
-            poller = select.poll()
-            poller.register(self.sock, select.POLLIN)
-            poller.poll(SETUP_WAIT * 1000)
+        """Whether a forked standby has finished its set-up (the pool's ``ready`` gave it
+        up to SETUP_WAIT s to say so)."""
         report = self.report()
         if not isinstance(report, reports.Ready):
             logger.warning("standby for local rank %d starts no worker: %s",
