@@ -125,6 +125,8 @@ def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[
             wait_serving(port, settle=args.settle)
             http: dict[str, object] = {}
             if loaded:
+                if args.client_nice:  # this process only: the supervisor keeps nice 0
+                    os.setpriority(os.PRIO_PROCESS, 0, args.client_nice)
                 results = asyncio.run(drive(f"http://127.0.0.1:{port}/healthz", args.rate,
                                             args.duration, args.concurrency))
                 with contextlib.redirect_stdout(io.StringIO()):  # keep stdout one table
@@ -132,6 +134,8 @@ def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[
             else:
                 time.sleep(args.duration)
         finally:
+            if args.client_nice:
+                os.setpriority(os.PRIO_PROCESS, 0, 0)
             stop(proc)
         lat = restart_latencies(base / "out")
         return {"loaded": loaded, "restarts": len(lat),
@@ -148,6 +152,10 @@ def main() -> int:
     parser.add_argument("--crash-every", type=float, default=2.0)
     parser.add_argument("--settle", type=float, default=1.0, help="seconds before the load")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--client-nice", type=int, default=0,
+                        help="nice value of the load client while it runs (root for < 0): "
+                             "-10 keeps its own wait for a CPU out of the latencies, so "
+                             "they show the supervisor's")
     parser.add_argument("--supervisor-flags", default="",
                         help="extra flags for the supervisor, e.g. '--preload torch' (its "
                              "standbys then import torch at idle priority between restarts)")

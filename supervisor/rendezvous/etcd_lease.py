@@ -27,9 +27,14 @@ from supervisor.rendezvous.etcd_client import (
 
 logger = logging.getLogger(__name__)
 
-# A revoke's attempt: a healthy member answers in milliseconds; one that is electing a
-# leader never answers this attempt (etcd dropped the proposal), so a new one is better.
-REVOKE_ATTEMPT = 0.3
+# The leave's revoke is asked of every member in rounds, a new round every REVOKE_EVERY s
+# while no round has succeeded, each round's requests living up to REVOKE_ATTEMPT s: a
+# member electing a leader never answers a request made before the election (etcd dropped
+# the proposal), so the first round made after a leader exists is the one that commits
+# (within REVOKE_EVERY of the election), and a slow link's answer (hundreds of
+# milliseconds) still comes. At most REVOKE_ATTEMPT / REVOKE_EVERY rounds are in flight.
+REVOKE_EVERY = 0.1
+REVOKE_ATTEMPT = 1.0
 
 ExpiredHook = Callable[[bool], Awaitable[None]]  # (lost across an outage?) -> restore keys
 
@@ -137,24 +142,44 @@ class LeaseKeeper:
 
     async def revoke(self) -> None:
         """Stop refreshing and revoke, so this node's keys vanish now (best effort). The
-        revoke goes to every member at once and the first answer ends it (a member cut off
-        without an error must not delay the leave). Each ask is bounded by
-        ``REVOKE_ATTEMPT``: a member without a raft leader drops the proposal and would
-        hold the request for the whole timeout, so the revoke is asked again (backing off
-        as any retry) until the lease would have expired anyway; the caller bounds the
-        wait. A lease already gone (revoked through another member first, or expired)
-        counts as revoked."""
+        revoke goes to every member at once (a member cut off without an error must not
+        delay the leave), in overlapping rounds (``REVOKE_EVERY``) until one succeeds or
+        the lease would have expired anyway; the caller bounds the wait. A lease already
+        gone (revoked through another member first, or expired) counts as revoked."""
         self._stopped.set()
         if not self.id or self.given_up.is_set():
             return
-        try:
-            await self._client.call("/v3/lease/revoke", {"ID": str(self.id)},
-                                    retry_window=self.ttl, hedge_after=0.0,
-                                    attempt_timeout=min(REVOKE_ATTEMPT, self._client.timeout))
-        except EtcdLeaseNotFound:
-            pass
-        except EtcdError as exc:
-            logger.warning("could not revoke etcd lease (it expires in %ds): %s", self.ttl, exc)
+        body = {"ID": str(self.id)}
+        ended = anyio.Event()
+        refused: list[EtcdError] = []  # the refusal that ended it, if one did
+        unanswered: list[EtcdUnavailable] = []  # the last round that no member answered
+
+        async def one_round() -> None:
+            try:
+                await self._client.call(
+                    "/v3/lease/revoke", body, retry_window=0, hedge_after=0.0,
+                    attempt_timeout=min(REVOKE_ATTEMPT, self._client.timeout))
+            except EtcdLeaseNotFound:
+                pass
+            except EtcdUnavailable as exc:
+                unanswered[:] = [exc]
+                return  # a later round asks again
+            except EtcdError as exc:  # refused (not electing): asking again changes nothing
+                if not ended.is_set():
+                    refused.append(exc)
+            ended.set()
+
+        with anyio.move_on_after(self.ttl):
+            async with anyio.create_task_group() as tg:
+                while not ended.is_set():
+                    tg.start_soon(one_round)
+                    with anyio.move_on_after(REVOKE_EVERY):
+                        await ended.wait()
+                tg.cancel_scope.cancel()
+        failure = refused or ([] if ended.is_set() else unanswered)
+        if failure or not ended.is_set():
+            logger.warning("could not revoke etcd lease (it expires in %ds): %s", self.ttl,
+                           failure[0] if failure else "no etcd member answered")
 
 
 class PausableDeadline:

@@ -22,6 +22,7 @@ from supervisor.rendezvous.etcd_client import (
     put_op,
     range_op,
 )
+from supervisor.rendezvous.etcd_lease import LeaseKeeper
 from supervisor.rendezvous.etcd_watch import open_prefix_view
 from tests.support.etcd import (
     EtcdFactory,
@@ -29,6 +30,7 @@ from tests.support.etcd import (
     freeze,
     is_leader,
     make_tls_material,
+    member_status,
     thaw,
 )
 from tests.support.ports import free_port
@@ -145,6 +147,56 @@ async def test_watch_resumes_on_another_member(factory: EtcdFactory) -> None:
                 await client.put("/t/r/b", "2")
                 second = await watch.__anext__()
     assert [ev.kv.key for ev in first + second] == ["/t/r/a", "/t/r/b"]
+
+
+async def test_the_leaves_revoke_commits_as_soon_as_a_new_leader_is_elected(
+        factory: EtcdFactory) -> None:
+    """The leave's revoke made right after the raft leader went silent (frozen: its
+    traffic unanswered, no error): the others drop every proposal until they have elected
+    a new leader, so the revoke must be asked again promptly then, not after a growing
+    backoff (which took it up to 1 s past the election). etcd's default election timeout
+    (1 s, randomised up to 2 s): the election comes 1-2 s after the freeze."""
+    members = factory.cluster(3, election_ms=1000)
+    leader = next(m for m in members if is_leader(m))
+    others = [m for m in members if m is not leader]
+    old = str(member_status(leader).get("leader"))
+    elected: list[float] = []
+
+    def new_leader() -> bool:
+        for member in others:
+            with contextlib.suppress(OSError):
+                if str(member_status(member).get("leader", 0)) not in ("0", old):
+                    return True
+        return False
+
+    async def watch_election() -> None:
+        while not await anyio.to_thread.run_sync(new_leader):
+            await anyio.sleep(0.01)
+        elected.append(time.monotonic())
+
+    async def never(_: bool) -> None:
+        raise AssertionError("the lease was not replaced")
+
+    async with EtcdClient([m.endpoint for m in [leader, *others]], timeout=3.0,
+                          hedge_after=0.2) as client:
+        keeper = LeaseKeeper(client, 30, never)
+        await keeper.grant()
+        await client.put("/t/leave/key", "1", lease=keeper.id)
+        freeze(leader)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(watch_election)
+                with anyio.fail_after(10):
+                    await keeper.revoke()
+                revoked = time.monotonic()
+                with anyio.fail_after(10):
+                    while not elected:
+                        await anyio.sleep(0.01)
+            assert await client.get("/t/leave/key") is None
+        finally:
+            thaw(leader)
+    # the first round asked after the election commits: REVOKE_EVERY (0.1 s) and a commit
+    assert revoked - elected[0] < 0.4, (revoked - elected[0])
 
 
 async def test_a_hedged_call_does_not_wait_on_a_silent_member(factory: EtcdFactory) -> None:

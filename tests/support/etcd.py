@@ -83,6 +83,7 @@ class EtcdMember:
     cluster: str = ""  # --initial-cluster value
     token: str = "solo"  # --initial-cluster-token, shared by one cluster's members
     tls: TlsMaterial | None = None
+    election_ms: int = 100  # --election-timeout (the heartbeat is a tenth of it)
     process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -101,7 +102,8 @@ class EtcdMember:
             "--listen-peer-urls", self.peer_url, "--initial-advertise-peer-urls", self.peer_url,
             "--initial-cluster", self.cluster or f"{self.name}={self.peer_url}",
             "--initial-cluster-token", self.token,
-            "--heartbeat-interval", "10", "--election-timeout", "100",
+            "--heartbeat-interval", str(self.election_ms // 10),
+            "--election-timeout", str(self.election_ms),
         ]
         if self.tls:
             cmd += ["--cert-file", str(self.tls.server_cert), "--key-file",
@@ -185,14 +187,16 @@ class EtcdFactory:
         """One healthy member."""
         return self._healthy(lambda: [self._member("solo", tls)])[0]
 
-    def cluster(self, size: int = 3) -> list[EtcdMember]:
-        """``size`` members forming one cluster, all healthy."""
+    def cluster(self, size: int = 3, election_ms: int = 100) -> list[EtcdMember]:
+        """``size`` members forming one cluster, all healthy (``election_ms``: their
+        election timeout; etcd's default is 1000)."""
 
         def make() -> list[EtcdMember]:
             members = [self._member(f"m{i}") for i in range(size)]
             spec = ",".join(f"{m.name}={m.peer_url}" for m in members)
             for member in members:
                 member.cluster, member.token = spec, f"cluster-{members[0].peer_port}"
+                member.election_ms = election_ms
             return members
 
         return self._healthy(make)
