@@ -20,11 +20,15 @@ blind"):
   ~15 ms) instead of accepting a watch it will never feed.
 - **Each stream checks its member.** Every ``check_interval`` (the client's request
   timeout) without a message, a stream looks at what the client learnt about its member:
-  when the latest request to it failed, the stream moves; the first stream also follows
+  when the latest request to it failed, or the other stream delivered a revision this one
+  never brought (``LAG`` s or more ago), the stream moves; the first stream also follows
   the requests (when they moved to a member no stream is on). When nothing reached its
   member for two intervals, it asks the member itself (``EtcdClient.probe``: a
   linearizable read, which needs the member's leader and quorum). A member that does not
   answer in time is left.
+- **Requests follow the news.** The member whose stream brought a revision first becomes
+  the client's preferred one: the request the news prompts (a campaign, a new round)
+  does not first wait out the hedge on a member that went quiet.
 - **TCP keepalive** on each stream's socket (idle = the interval, 3 probes): a connection
   whose far end vanished (etcd restarted during a cut, a middlebox forgot it) breaks
   within about two intervals even when no request is in flight.
@@ -82,9 +86,12 @@ logger = logging.getLogger(__name__)
 
 STREAMS = 2  # streams per watch, on as many members (fewer endpoints: one per endpoint)
 BACKLOG = 64  # batches read but not yet delivered; a stream that is this far ahead waits
+# seconds after the watch delivered a revision by which a healthy stream has brought it too
+LAG = 0.5
 
 LiveHook = Callable[[bool], None]  # a stream opened or closed: is the watch live now?
-_Item = list[WatchEvent] | EtcdError  # what a stream hands to the watch's reader
+# what a stream hands to the watch's reader: (its member, a batch), or its error
+_Item = tuple[str | None, list[WatchEvent]] | EtcdError
 
 
 class WatchResync(EtcdError):
@@ -116,6 +123,9 @@ class Watch:
         count = min(STREAMS, len(client.endpoints))
         self._streams = [WatchStream(client, key_range, self.check_interval)
                          for _ in range(count)]
+        # per stream: the newest revision it handed over (or resumed after)
+        self._brought = [start_revision - 1] * count
+        self._news_at = 0.0  # when the watch last delivered (monotonic)
         # made on entry: an unclosed memory stream warns when collected
         self._send: MemoryObjectSendStream[_Item] | None = None
         self._receive: MemoryObjectReceiveStream[_Item] | None = None
@@ -165,14 +175,27 @@ class Watch:
                 continue
             # the merge: etcd sends all of a revision's events in one message, so a filter
             # on the revision never splits one; what it drops, the other stream brought
-            fresh = [ev for ev in item if ev.kv.mod_revision >= self.next_revision]
+            member, batch = item
+            fresh = [ev for ev in batch if ev.kv.mod_revision >= self.next_revision]
             stats = self._client.stats
-            stats.watch_duplicates += len(item) - len(fresh)
+            stats.watch_duplicates += len(batch) - len(fresh)
             if fresh:
+                self._news_at = time.monotonic()
+                self._first_with_news(member)
                 stats.watch_events += len(fresh)
                 stats.watch_bytes += sum(len(ev.kv.value) for ev in fresh)
                 self.next_revision = fresh[-1].kv.mod_revision + 1
                 return fresh
+
+    def _first_with_news(self, member: str | None) -> None:
+        """The member whose stream brought a revision first is up to date: the client's
+        next request goes there. When the others' member went quiet (isolated, or
+        electing a leader), the request this news prompts (a campaign, a new round) then
+        does not first wait out the hedge on it; between healthy members, where requests
+        go makes no difference."""
+        if member is not None and member != self._client.preferred \
+                and not self._client.endpoint_health(member).failing:
+            self._client._prefer(member)
 
     @property
     def live(self) -> bool:
@@ -225,7 +248,8 @@ class Watch:
                 await self._check_member(slot)
             elif events:
                 assert self._send is not None
-                await self._send.send(events)
+                self._brought[slot] = max(self._brought[slot], events[-1].kv.mod_revision)
+                await self._send.send((stream.endpoint, events))
 
     def _changed(self) -> None:
         if self._on_live is not None:
@@ -256,6 +280,11 @@ class Watch:
             raise _Quiet(f"requests moved to {preferred}")
         if health.failing:
             raise _Quiet("its latest request failed")
+        # the other stream delivered news this one never brought in a whole quiet interval
+        # (a healthy member streams a revision within milliseconds of another)
+        behind = self.next_revision - 1
+        if self._brought[slot] < behind and time.monotonic() - self._news_at > LAG:
+            raise _Quiet(f"another member delivered revision {behind}, it did not")
         # the lease keepalive (every TTL/3) usually answers for the first stream's member:
         # probe only when nothing did for two intervals
         if time.monotonic() - health.last_ok > 2 * self.check_interval:
@@ -296,6 +325,7 @@ class Watch:
                     continue
                 if slot == 0:
                     client._prefer(endpoint)
+                self._brought[slot] = self.next_revision - 1  # it resumes from there
                 self._changed()
                 return
             sibling = self._sibling(slot)

@@ -14,7 +14,14 @@ import pytest
 
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdUnavailable
 from supervisor.rendezvous.etcd_watch import Watch, open_prefix_view
-from tests.support.etcd import EtcdFactory, EtcdMember, freeze, has_leader, thaw
+from tests.support.etcd import (
+    EtcdFactory,
+    EtcdMember,
+    freeze,
+    has_leader,
+    is_leader,
+    thaw,
+)
 
 pytestmark = pytest.mark.etcd
 
@@ -103,6 +110,48 @@ async def test_a_frozen_member_delays_no_event_and_its_stream_moves(
     keys = [ev.kv.key for ev in first + second + third]
     assert keys == ["/t/f/a", "/t/f/b", "/t/f/c"], keys
     assert delivered_after < 1.0, delivered_after
+
+
+async def test_a_stream_behind_the_other_moves_and_requests_follow_the_news(
+        factory: EtcdFactory) -> None:
+    """A follower's stream goes silent (SIGSTOP) while no request of the client fails
+    there: the other stream brings the next change, the client's requests now go to that
+    stream's member (no hedge to wait out on the frozen one), and the silent stream leaves
+    at its next quiet check because it never brought that revision, not only after two
+    intervals without an answer and a probe's timeout (which took 6 s here)."""
+    members = factory.cluster(3)
+    frozen = next(m for m in members if not is_leader(m))
+    ordered = [frozen, *(m for m in members if m is not frozen)]
+    streams = StreamLog()
+    async with EtcdClient([m.endpoint for m in ordered], timeout=2.0) as client, \
+            EtcdClient([ordered[1].endpoint], timeout=2.0) as writer:
+        start = await writer.put("/t/n/a", "1")
+        async with client.watch("/t/n/", prefix=True, start_revision=start,
+                                on_live=streams.heard) as watch:
+            streams.watch = watch
+            with anyio.fail_after(5):
+                await watch.__anext__()
+                await streams.wait_for(lambda on: len(on) == 2)
+            assert watch.endpoint == frozen.endpoint
+            await client.probe(frozen.endpoint, "/t/n/a")  # it answered just now
+            freeze(frozen)
+            try:
+                await writer.put("/t/n/b", "2")
+                written_at = time.monotonic()
+                with anyio.fail_after(5):
+                    await watch.__anext__()
+                other = watch.endpoints[-1]
+                assert other != frozen.endpoint
+                assert client.preferred == other
+                with anyio.fail_after(10):
+                    await streams.wait_for(lambda on: len(on) == 2
+                                           and frozen.endpoint not in on)
+                moved_after = time.monotonic() - written_at
+            finally:
+                thaw(frozen)
+            assert watch.moves == 1
+    # the quiet check every 2 s, the news 0.5 s old: at most 2.5 s, plus slack
+    assert moved_after < 4.5, moved_after
 
 
 async def test_no_event_is_lost_or_repeated_while_a_stream_moves(factory: EtcdFactory) -> None:

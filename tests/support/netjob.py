@@ -260,6 +260,15 @@ class Job:
         for member in self.members:
             self.lab.heal(node.host, member.host)
 
+    def watch_election(self, members: Sequence[Etcd]) -> subprocess.Popen[bytes]:
+        """A poller (in the first of ``members``' namespace) that prints the monotonic time
+        at which one of ``members`` first names a raft leader other than the current one
+        (every 10 ms; ``_elected_at`` reads it)."""
+        _, leader = self.raft_ids()
+        urls = [m.endpoint + "/v3/maintenance/status" for m in members]
+        return self.lab.spawn(members[0].host, [sys.executable, "-c", _ELECTION_POLLER,
+                                                str(leader), *urls], stdout=subprocess.PIPE)
+
     def isolate(self, member: Etcd) -> None:
         for host in self.lab.hosts.values():
             if host is not member.host and not host.label.startswith("sw"):
@@ -368,6 +377,36 @@ def isolated_member(*, ttl: int, settle: float, code: Path = REPO,
         }
 
 
+_ELECTION_POLLER = r'''
+import json, sys, time, urllib.request
+old, urls = sys.argv[1], sys.argv[2:]
+while True:
+    for url in urls:
+        try:
+            request = urllib.request.Request(url, data=b"{}", method="POST")
+            with urllib.request.urlopen(request, timeout=0.2) as resp:
+                leader = str(json.load(resp).get("leader", "0"))
+        except OSError:
+            continue
+        if leader not in ("0", old):
+            print(time.monotonic(), flush=True)
+            sys.exit(0)
+    time.sleep(0.01)
+'''
+
+
+def _elected_at(poller: subprocess.Popen[bytes] | None) -> float | None:
+    """What a ``watch_election`` poller printed (None: none, or it saw no election)."""
+    if poller is None:
+        return None
+    try:
+        out, _ = poller.communicate(timeout=30)
+        return float(out.split()[0])
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        poller.kill()
+        return None
+
+
 def leave_after_isolation(*, ttl: int, raft_leader: bool = False, code: Path = REPO,
                           keep: Path | None = None) -> dict[str, Any]:
     """A 3-member etcd and nodes A, B, C whose first endpoint is member e0; e0 is
@@ -382,6 +421,7 @@ def leave_after_isolation(*, ttl: int, raft_leader: bool = False, code: Path = R
         j.wait_group([a, b, c], 3)
         e0 = j.members[0].endpoint
         j.make_raft_leader(j.members[0] if raft_leader else j.members[1])
+        elected = j.watch_election(j.members[1:]) if raft_leader else None
         isolated_at = time.monotonic()
         j.isolate(j.members[0])
         c.proc.send_signal(signal.SIGTERM)
@@ -401,9 +441,14 @@ def leave_after_isolation(*, ttl: int, raft_leader: bool = False, code: Path = R
                              [left_e0(n) for n in (a, b)], 10 * ttl)
         except ScenarioError:
             moved = [left_e0(n) for n in (a, b)]
+        election = _elected_at(elected)
         return {
             "ttl": ttl, "e0_raft_leader": raft_leader,
             "left_after_isolation": left_at - isolated_at,
+            # with e0 the leader: when e1 or e2 first named a new one, after the isolation
+            "new_leader_after_isolation": _rel(election, isolated_at),
+            "leave_seen_after_the_election": None if election is None
+            else max(seen) - election,
             "leave_seen_after": max(seen) - left_at,
             "leave_seen_by": [t - left_at for t in seen],
             "watches_left_e0_after_isolation": [_rel(t, isolated_at) for t in moved],
