@@ -121,6 +121,9 @@ def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[
     with tempfile.TemporaryDirectory(prefix="health-load-") as tmp:
         base = Path(tmp)
         proc, port = start_supervisor(base, args, crash_every)
+        if args.supervisor_nice:  # its main thread (the event loop's) only: on Linux a
+            # nice value is a thread's, and the workers are forked from the spawner thread
+            os.setpriority(os.PRIO_PROCESS, proc.pid, args.supervisor_nice)
         try:
             wait_serving(port, settle=args.settle)
             http: dict[str, object] = {}
@@ -152,6 +155,9 @@ def main() -> int:
     parser.add_argument("--crash-every", type=float, default=2.0)
     parser.add_argument("--settle", type=float, default=1.0, help="seconds before the load")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--supervisor-nice", type=int, default=0,
+                        help="nice value of the supervisor's event-loop thread alone (root "
+                             "for < 0); its workers keep nice 0")
     parser.add_argument("--client-nice", type=int, default=0,
                         help="nice value of the load client while it runs (root for < 0): "
                              "-10 keeps its own wait for a CPU out of the latencies, so "
