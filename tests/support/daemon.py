@@ -35,8 +35,13 @@ class Stream:
         self._changed.set()
         self.done.set()
 
-    async def expect(self, pattern: str, timeout: float = 15.0) -> re.Match[str]:
+    async def expect(self, pattern: str, timeout: float = 15.0, *,
+                     since: int | None = None) -> re.Match[str]:
+        """The first line matching ``pattern`` after the last match (or from line
+        ``since``, an earlier ``cursor``: for lines whose order is not fixed)."""
         regex = re.compile(pattern)
+        if since is not None:
+            self.cursor = since
         with anyio.fail_after(timeout):
             while True:
                 while self.cursor < len(self.lines):
