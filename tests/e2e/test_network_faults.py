@@ -31,7 +31,7 @@ STOP = 1.0  # a fake worker that hangs stops on SIGTERM in milliseconds; slack f
 TWO_GROUPS_BOUND = RTT + PROBE_INTERVAL + PROBE_TIMEOUT + STOP
 LEAVE_BOUND = 1.0
 # a leave made while etcd elects a leader: a revoke round (0.1 s), the commit, the peers'
-# watch and reaction (0.05-0.12 s measured), slack for a loaded CI machine
+# watch and reaction (0.025-0.12 s measured), slack for a loaded CI machine
 AFTER_ELECTION_BOUND = 0.5
 LOSS_BOUND = TTL + 2.0  # the TTL plus a round
 SLOW_TTL = 10  # the default
