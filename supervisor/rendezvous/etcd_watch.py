@@ -28,7 +28,8 @@ blind"):
   answer in time is left.
 - **Requests follow the news.** The member whose stream brought a revision first becomes
   the client's preferred one: the request the news prompts (a campaign, a new round)
-  does not first wait out the hedge on a member that went quiet.
+  does not first wait out the hedge on a member that went quiet. When the first
+  stream's member brings the same revision, requests go back to it.
 - **TCP keepalive** on each stream's socket (idle = the interval, 3 probes): a connection
   whose far end vanished (etcd restarted during a cut, a middlebox forgot it) breaks
   within about two intervals even when no request is in flight.
@@ -179,7 +180,9 @@ class Watch:
             fresh = [ev for ev in batch if ev.kv.mod_revision >= self.next_revision]
             stats = self._client.stats
             stats.watch_duplicates += len(batch) - len(fresh)
-            if fresh:
+            if not fresh:
+                self._caught_up(member)
+            else:
                 self._news_at = time.monotonic()
                 self._first_with_news(member)
                 stats.watch_events += len(fresh)
@@ -194,6 +197,17 @@ class Watch:
         does not first wait out the hedge on it; between healthy members, where requests
         go makes no difference."""
         if member is not None and member != self._client.preferred \
+                and not self._client.endpoint_health(member).failing:
+            self._client._prefer(member)
+
+    def _caught_up(self, member: str | None) -> None:
+        """The first stream's member brought what the other had brought: it is up to
+        date too, and requests go back to it (the member the first stream follows). So
+        between healthy members the preference moves only for the milliseconds one stream
+        is ahead, and a member that goes quiet is still found by a request of its own
+        failing (the lease refresh), not only by the probe."""
+        first = self._streams[0].endpoint
+        if member is not None and member == first and member != self._client.preferred \
                 and not self._client.endpoint_health(member).failing:
             self._client._prefer(member)
 
