@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdUnavailable
@@ -152,6 +153,41 @@ async def test_a_stream_behind_the_other_moves_and_requests_follow_the_news(
             assert watch.moves == 1
     # the quiet check every 2 s, the news 0.5 s old: at most 2.5 s, plus slack
     assert moved_after < 4.5, moved_after
+
+
+async def test_between_healthy_members_requests_return_to_the_first_streams_member(
+        factory: EtcdFactory) -> None:
+    """Whichever stream brings a change first, once the first stream's member has brought
+    it too (the copy is counted as a duplicate), requests go to that member again: the
+    preference follows the news only while one member is ahead."""
+    members = factory.cluster(3)
+    streams = StreamLog()
+    async with EtcdClient([m.endpoint for m in members], timeout=2.0) as client, \
+            EtcdClient([members[1].endpoint], timeout=2.0) as writer:
+        start = await writer.put("/t/c/0", "0")
+        async with client.watch("/t/c/", prefix=True, start_revision=start,
+                                on_live=streams.heard) as watch, \
+                anyio.create_task_group() as tg:
+            streams.watch = watch
+            delivered: list[str] = []
+
+            async def read() -> None:
+                async for events in watch:
+                    delivered.extend(ev.kv.key for ev in events)
+
+            tg.start_soon(read)
+            with anyio.fail_after(5):
+                await streams.wait_for(lambda on: len(on) == 2)
+            first = watch.endpoints[0]
+            for n in range(1, 6):
+                copies = client.stats.watch_duplicates
+                await writer.put(f"/t/c/{n}", str(n))
+                with anyio.fail_after(5):  # the copy comes milliseconds after the news
+                    while client.stats.watch_duplicates == copies:
+                        await anyio.lowlevel.checkpoint()
+                assert client.preferred == first, n
+            tg.cancel_scope.cancel()
+    assert delivered == [f"/t/c/{n}" for n in range(6)], delivered
 
 
 async def test_no_event_is_lost_or_repeated_while_a_stream_moves(factory: EtcdFactory) -> None:
