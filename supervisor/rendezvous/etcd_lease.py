@@ -151,10 +151,11 @@ class LeaseKeeper:
             return
         body = {"ID": str(self.id)}
         ended = anyio.Event()
-        refused: list[EtcdError] = []  # the refusal that ended it, if one did
-        unanswered: list[EtcdUnavailable] = []  # the last round that no member answered
+        refused: EtcdError | None = None  # the refusal that ended it, if one did
+        unanswered: EtcdUnavailable | None = None  # the last round no member answered
 
         async def one_round() -> None:
+            nonlocal refused, unanswered
             try:
                 await self._client.call(
                     "/v3/lease/revoke", body, retry_window=0, hedge_after=0.0,
@@ -162,11 +163,10 @@ class LeaseKeeper:
             except EtcdLeaseNotFound:
                 pass
             except EtcdUnavailable as exc:
-                unanswered[:] = [exc]
+                unanswered = exc
                 return  # a later round asks again
             except EtcdError as exc:  # refused (not electing): asking again changes nothing
-                if not ended.is_set():
-                    refused.append(exc)
+                refused = refused or exc
             ended.set()
 
         with anyio.move_on_after(self.ttl):
@@ -176,10 +176,10 @@ class LeaseKeeper:
                     with anyio.move_on_after(REVOKE_EVERY):
                         await ended.wait()
                 tg.cancel_scope.cancel()
-        failure = refused or ([] if ended.is_set() else unanswered)
-        if failure or not ended.is_set():
+        failure = refused if ended.is_set() else unanswered or "no etcd member answered"
+        if failure is not None:
             logger.warning("could not revoke etcd lease (it expires in %ds): %s", self.ttl,
-                           failure[0] if failure else "no etcd member answered")
+                           failure)
 
 
 class PausableDeadline:

@@ -194,11 +194,8 @@ class Watch:
         """The member whose stream brought a revision first is up to date: the client's
         next request goes there. When the others' member went quiet (isolated, or
         electing a leader), the request this news prompts (a campaign, a new round) then
-        does not first wait out the hedge on it; between healthy members, where requests
-        go makes no difference."""
-        if member is not None and member != self._client.preferred \
-                and not self._client.endpoint_health(member).failing:
-            self._client._prefer(member)
+        does not first wait out the hedge on it."""
+        self._prefer(member)
 
     def _caught_up(self, member: str | None) -> None:
         """The first stream's member brought what the other had brought: it is up to
@@ -206,10 +203,14 @@ class Watch:
         between healthy members the preference moves only for the milliseconds one stream
         is ahead, and a member that goes quiet is still found by a request of its own
         failing (the lease refresh), not only by the probe."""
-        first = self._streams[0].endpoint
-        if member is not None and member == first and member != self._client.preferred \
-                and not self._client.endpoint_health(member).failing:
-            self._client._prefer(member)
+        if member == self._streams[0].endpoint:
+            self._prefer(member)
+
+    def _prefer(self, member: str | None) -> None:
+        client = self._client
+        if member is not None and member != client.preferred \
+                and not client.endpoint_health(member).failing:
+            client._prefer(member)
 
     @property
     def live(self) -> bool:
