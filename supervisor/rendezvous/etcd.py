@@ -155,6 +155,7 @@ class EtcdRendezvous:
         self._deadlines: set[PausableDeadline] = set()
         self._progress = "nothing read yet"
         self._clock: WaitClock | None = None  # the round being waited for, if any
+        self._connecting: WaitClock | None = None  # connect() waiting for etcd to answer
         self.waiting: WaitProgress | None = None  # for /status: what next_round waits for
         self.joined_at = 0.0  # monotonic: this agent's last join key was written
         self.waited_at = 0.0  # monotonic: this agent's last wait key was written
@@ -215,23 +216,28 @@ class EtcdRendezvous:
         last = "no answer"
         clock = WaitClock(time.monotonic(), time.time(), self.config.wait_report_every,
                           next_due_now=True)
-        with _etcd_errors(f"taking a lease from {', '.join(self.config.endpoints)}"):
-            while True:
-                try:
-                    with anyio.fail_after(max(deadline - time.monotonic(), 0.01)):
-                        await self._lease.grant(bounded=True)
-                    return
-                except (EtcdUnavailable, TimeoutError) as exc:
-                    if time.monotonic() >= deadline:
-                        why = str(exc) or self._client.reachability.cause or last
-                        message = f"unreachable for {self.config.join_timeout:g}s: {why}"
-                        raise EtcdUnavailable(message) from exc
-                    last = str(exc) or last
-                    self._report_unreachable(clock, last)
+        self._connecting = clock  # the client's first failed pass reports (_on_reachability)
+        try:
+            with _etcd_errors(f"taking a lease from {', '.join(self.config.endpoints)}"):
+                while True:
+                    try:
+                        with anyio.fail_after(max(deadline - time.monotonic(), 0.01)):
+                            await self._lease.grant(bounded=True)
+                        return
+                    except (EtcdUnavailable, TimeoutError) as exc:
+                        if time.monotonic() >= deadline:
+                            why = str(exc) or self._client.reachability.cause or last
+                            message = f"unreachable for {self.config.join_timeout:g}s: {why}"
+                            raise EtcdUnavailable(message) from exc
+                        last = str(exc) or last
+                        self._report_unreachable(clock, last)
+        finally:
+            self._connecting = None
 
     def _report_unreachable(self, clock: WaitClock, last: str) -> None:
-        """At once, then every 30 s while etcd does not answer at start-up; a WARNING
-        each time when the cause is a name that does not resolve."""
+        """At the first pass that found no member answering (not a whole bounded try
+        later), then every 30 s while etcd does not answer at start-up; a WARNING each
+        time when the cause is a name that does not resolve."""
         now = time.monotonic()
         if not clock.due(now):
             return
@@ -317,8 +323,10 @@ class EtcdRendezvous:
     # outages
 
     def _on_reachability(self, reachable: bool, r: Reachability) -> None:
-        if not self._lease.id:
-            return  # start-up: connect() reports an unusable endpoint in one line itself
+        if not self._lease.id:  # start-up: connect() reports in one line, at once
+            if not reachable and self._connecting is not None:
+                self._report_unreachable(self._connecting, r.cause)
+            return
         if reachable:
             logger.warning("etcd reachable again after %.1fs", r.last_outage)
             self._cutoff.outage_ended()

@@ -21,6 +21,7 @@ from supervisor.rendezvous.etcd import EtcdRendezvous, EtcdRendezvousConfig, ope
 from supervisor.rendezvous.waitreport import WaitClock, WaitProgress, unresolved
 from tests.support.daemon import supervisor
 from tests.support.etcd import EtcdMember
+from tests.support.ports import free_port
 
 
 def test_the_clock_is_due_every_interval_from_the_start() -> None:
@@ -98,6 +99,35 @@ async def test_a_name_that_does_not_resolve_warns_each_time(
     assert len(warnings) >= 2, caplog.text
     assert all("Name or service not known" in r.getMessage() or "DNS" in r.getMessage()
                for r in warnings)
+
+
+async def test_an_etcd_that_does_not_answer_is_reported_at_the_first_failed_pass(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Not a whole bounded try (one lease TTL, 60 s here) later: a node started before
+    its etcd says so at once."""
+    cfg = config((f"http://127.0.0.1:{free_port()}",), join_timeout=120, lease_ttl=60)
+    rdzv = EtcdRendezvous(cfg)
+    reported = anyio.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "to answer" in record.getMessage():
+                reported.set()
+
+    seen = Seen()
+    logging.getLogger("supervisor.rendezvous.etcd").addHandler(seen)
+    try:
+        with caplog.at_level(logging.INFO):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(rdzv.connect)
+                with anyio.fail_after(30):
+                    await reported.wait()
+                tg.cancel_scope.cancel()
+    finally:
+        logging.getLogger("supervisor.rendezvous.etcd").removeHandler(seen)
+        await rdzv.aclose()
+    line = next(r.getMessage() for r in caplog.records if "to answer" in r.getMessage())
+    assert "Connect call failed" in line and "retrying until join_timeout 120s" in line, line
 
 
 @pytest.mark.etcd
