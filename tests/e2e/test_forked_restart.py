@@ -14,6 +14,7 @@ import anyio
 
 from tests.support.daemon import supervisor
 from tests.support.paths import FAKE_WORKER, WORKERS
+from tests.support.processes import pid_alive
 
 PROBE = str(WORKERS / "probe_main.py")
 BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug"]
@@ -87,6 +88,36 @@ async def test_a_dead_fork_server_means_cold_starts_and_a_new_server(tmp_path: P
     assert warm_ranks(logs) == [None, [0]]
     restarts = [e for e in events(logs) if e["event"] == "group_started"]
     assert len(restarts) == 2  # the server's death used none of the restart budget
+
+
+async def test_a_server_found_unusable_at_a_fork_is_replaced_at_once(tmp_path: Path) -> None:
+    """A server that stopped answering (frozen here; one killed since its last fork is
+    found the same way) fails the fork of the next attempt's standbys: a replacement is
+    started then, and forks them, instead of at the next launch (which would start cold
+    too)."""
+    logs = tmp_path / "logs"
+    args = [*BASE, "--max-restarts", "2", "--log-dir", str(logs), "--preload",
+            "xml.dom.minidom", FAKE_WORKER, "--hang", "--usr1-exit", "1", "--fail-attempts", "1"]
+    async with supervisor(args) as sup:
+        pid = int((await sup.out.expect(r"^ready 0 (\d+) 0$")).group(1))
+        server = int((await sup.err.expect(r"fork server \(pid (\d+)\) ready")).group(1))
+        await sup.err.expect(r"standby for local rank 0 forked as pid \d+")
+        os.kill(server, signal.SIGSTOP)  # alive, but it forks no more
+        os.kill(pid, signal.SIGUSR1)
+        await sup.out.expect(r"^ready 0 \d+ 1$")  # attempt 1 in the standby forked before
+        await sup.err.expect(rf"fork server \(pid {server}\): .*ranks without a standby start "
+                             r"cold", timeout=30)
+        new = int((await sup.err.expect(rf"fork server \(pid (?!{server}\))(\d+)\) ready"))
+                  .group(1))
+        await sup.err.expect(rf"standby for local rank 0 forked as pid \d+ by the fork server "
+                             rf"\(pid {new}\)")
+        text = await metrics_of(sup.err.text())
+        assert re.search(r'fork_server_failures_total\{reason="fork"\} 1\.0', text), text
+        sup.signal(signal.SIGTERM)
+        assert await sup.wait() == 128 + signal.SIGTERM  # not a job failure
+    assert not pid_alive(server)
+    restarts = [e for e in events(logs) if e["event"] == "group_started"]
+    assert len(restarts) == 2  # the server's failure used none of the restart budget
 
 
 async def test_auto_learns_again_from_the_first_warm_attempt(tmp_path: Path) -> None:

@@ -215,8 +215,19 @@ class WarmPool:
             return
         if not due.halted:
             await self._start(due)
+            if self._died_at_fork(due) and await self.forks.prepare(config) \
+                    and self._attempt is attempt and _running(attempt):
+                await self._start(self._plan(attempt))  # from its replacement, at once
         if self.options.auto and (self._node_auto is None or self._refine_auto(attempt)):
             await self._learn_auto(attempt)
+
+    def _died_at_fork(self, plan: StandbyPlan) -> bool:
+        """Whether the server was found dead when it was asked for ``plan``'s standbys (a
+        server killed since its last fork): a replacement is started then, not at the
+        next launch, so that the next attempt does not start cold too."""
+        assert self.forks is not None
+        return (not plan.halted and self.forks.server is None and not self.forks.given_up
+                and any(w.rank not in self.standbys for w in plan.wanted))
 
     def _refine_auto(self, attempt: Attempt) -> bool:
         """Whether to learn once more, from the first attempt whose ranks all ran warm:
