@@ -421,12 +421,11 @@ def _timer_file(settings: Settings, runtime_dir: Path) -> Path:
 
 
 SERVE_DEFER = 0.5  # seconds the health server may wait for the first launch before serving
-HTTP_STACK = ("psutil",  # the D-state sampler's: now, not in its first (idle) sample
-              "supervisor.health.metrics", "supervisor.health.server")
+HTTP_STACK = ("supervisor.health.metrics", "supervisor.health.server")
 
 
 def import_modules(*names: str) -> None:
-    """Import what serving needs (aiohttp, prometheus-client, psutil): run in a thread."""
+    """Import what serving needs (aiohttp, prometheus-client): run in a thread."""
     for name in names:
         importlib.import_module(name)
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import psutil
 import pytest
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -875,7 +876,10 @@ async def test_d_state_of_a_real_worker_is_reported(spawn: SpawnFn, freezer: Fre
     child = await spawn("ignore-term")
     freezer.freeze(child.pid)
     await wait_until(lambda: proc_state(child.pid) == "D")
-    assert set(sample_d_state({child.pid: 0})) == {child.pid}
+    sampled = sample_d_state({child.pid: 0})
+    assert set(sampled) == {child.pid}
+    # the count psutil reads from the same /proc files: frozen, it does not move
+    assert sampled[child.pid].switches == sum(psutil.Process(child.pid).num_ctx_switches())
     event = await first_d_report({child.pid: 3})
     assert (event.pid, event.local_rank, event.attempt) == (child.pid, 3, 1)
 
