@@ -36,10 +36,11 @@ def anyio_backend() -> str:
 
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: unknown where xdist is not loaded
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """``-n auto``: one worker more than this process may run on. Most tests wait on
-    processes, sockets and timers (two workers kept two cores ~55 % busy); the tests that
-    hold a timing bound still run one at a time, in xdist group ``load``."""
-    return len(os.sched_getaffinity(0)) + 1
+    """``-n auto``: two workers more than the CPUs this process may run on. Most tests
+    wait on processes, sockets and timers (three workers kept two cores 78 % busy); the
+    tests that hold a timing bound still run one at a time, in xdist group ``load``, the
+    network-namespace tests in ``netns`` and the torch jobs in ``torch``."""
+    return len(os.sched_getaffinity(0)) + 2
 
 
 # ---------------------------------------------------------------- optional dependencies

@@ -84,8 +84,13 @@ async def test_a_stop_decided_while_the_ranks_start_starts_no_further_rank(
     group = _group(tmp_path, ["--hang"], posted)
     group.pool = pool = TellTake()
     attempt = group.begin(1, 0, ROUND)
+
+    async def start_then_supervise() -> None:  # as the controller does
+        await group.start(attempt)
+        tg.start_soon(group.supervise, attempt)
+
     async with anyio.create_task_group() as tg:
-        tg.start_soon(group.start, attempt)
+        tg.start_soon(start_then_supervise)
         with anyio.fail_after(30):
             await pool.taken.wait()  # rank 0 is starting
             await group.stop(attempt, signal.SIGTERM)

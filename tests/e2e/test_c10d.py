@@ -246,9 +246,15 @@ async def test_gloo_job_across_two_c10d_nodes_survives_an_exception_with_the_sam
         tmp_path: Path) -> None:
     pytest.importorskip("torch", reason="pip install torch to run the gloo job")
     script = WORKERS / "ddp_raise_once.py"
-    plain_codes, plain_restarts, plain = await run_ddp_job(tmp_path / "plain", script, [])
-    codes, restarts, faulty = await run_ddp_job(tmp_path / "faulty", script,
-                                                ["--raise-at", "50", "--fault-rank", "1"])
+    runs: dict[str, tuple[list[int], int, str]] = {}
+
+    async def run(name: str, *extra: str) -> None:
+        runs[name] = await run_ddp_job(tmp_path / name, script, extra)
+
+    async with anyio.create_task_group() as tg:  # two separate jobs, side by side
+        tg.start_soon(run, "plain")
+        tg.start_soon(run, "faulty", "--raise-at", "50", "--fault-rank", "1")
+    (plain_codes, plain_restarts, plain), (codes, restarts, faulty) = runs["plain"], runs["faulty"]
     assert plain_codes == [0, 0] and codes == [0, 0]
     assert (plain_restarts, restarts) == (0, 1)  # the exception did happen, once
     assert faulty == plain

@@ -31,8 +31,8 @@ LOAD = 2.0  # slack for a loaded 2-core machine: a worker start, a few etcd roun
 # leadership change too (the leader key is bound to the lost leader's lease).
 SPARE_BOUND = 3 * TTL + LAST_CALL + LOAD
 
-# timing bounds: one at a time, on one xdist worker (tests/README.md)
-pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90), pytest.mark.xdist_group("load")]
+# timing bounds: one at a time, on one xdist worker of their own (tests/README.md)
+pytestmark = [pytest.mark.etcd, pytest.mark.timeout(90), pytest.mark.xdist_group("netns")]
 
 
 @pytest.fixture(autouse=True)

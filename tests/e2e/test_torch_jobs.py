@@ -29,6 +29,14 @@ FINAL = r"final loss (\d+\.\d+) after 120 steps$"
 TEE = ["--tee", "3"]
 
 
+@pytest.fixture(scope="module")
+def torchrun_loss(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The job's final loss under torchrun: run once for the module's tests (they share
+    one xdist worker, group ``torch``), each compares its own run with it."""
+    deps.need_marker("torch")  # before the tests' own check: module fixtures come first
+    return torchrun_final_loss(tmp_path_factory.mktemp("torchrun"))
+
+
 def torchrun_final_loss(tmp_path: Path) -> str:
     torchrun = Path(sys.executable).parent / "torchrun"
     result = subprocess.run(
@@ -42,8 +50,8 @@ def torchrun_final_loss(tmp_path: Path) -> str:
     return m.group(1)
 
 
-async def test_same_final_loss_as_torchrun(tmp_path: Path) -> None:
-    expected = torchrun_final_loss(tmp_path)
+async def test_same_final_loss_as_torchrun(tmp_path: Path, torchrun_loss: str) -> None:
+    expected = torchrun_loss
     args = [*TEE, "--health-port", "0", "--nproc-per-node", "2",
             "--log-dir", str(tmp_path / "logs"),
             TRAIN, *STEPS, "--checkpoint-dir", str(tmp_path / "ck")]
@@ -53,7 +61,8 @@ async def test_same_final_loss_as_torchrun(tmp_path: Path) -> None:
     assert loss == expected
 
 
-async def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path: Path) -> None:
+async def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path: Path,
+                                                                torchrun_loss: str) -> None:
     args = [*TEE, "--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
             "--log-dir", str(tmp_path / "logs"), TRAIN, *STEPS,
             "--checkpoint-dir", str(tmp_path / "ck")]
@@ -69,7 +78,7 @@ async def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path: Path) 
         assert await sup.wait() == 0
         await sup.err.expect(r"killed by SIGKILL")
     # resuming from the checkpoint reproduces the unbroken run exactly
-    assert loss == torchrun_final_loss(tmp_path)
+    assert loss == torchrun_loss
 
 
 async def test_exception_traceback_is_root_cause(tmp_path: Path) -> None:
@@ -84,7 +93,8 @@ async def test_exception_traceback_is_root_cause(tmp_path: Path) -> None:
     assert "Traceback" in error_file.read_text()
 
 
-async def test_hung_rank_is_caught_by_its_deadline_and_the_job_resumes(tmp_path: Path) -> None:
+async def test_hung_rank_is_caught_by_its_deadline_and_the_job_resumes(
+        tmp_path: Path, torchrun_loss: str) -> None:
     args = [*TEE, "--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
             "--log-dir", str(tmp_path / "logs"), TRAIN, *STEPS,
             "--checkpoint-dir", str(tmp_path / "ck"), "--hang-at", "50", "--step-timeout", "3"]
@@ -100,7 +110,7 @@ async def test_hung_rank_is_caught_by_its_deadline_and_the_job_resumes(tmp_path:
         assert int(resumed.group(1)) == 40  # the last checkpoint before the hang
         loss = (await sup.out.expect(FINAL, timeout=240)).group(1)
         assert await sup.wait() == 0
-    assert loss == torchrun_final_loss(tmp_path)
+    assert loss == torchrun_loss
 
 
 @pytest.mark.etcd
