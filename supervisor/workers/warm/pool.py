@@ -222,9 +222,9 @@ class WarmPool:
             await self._learn_auto(attempt)
 
     def _died_at_fork(self, plan: StandbyPlan) -> bool:
-        """Whether the server was found dead when it was asked for ``plan``'s standbys (a
-        server killed since its last fork): a replacement is started then, not at the
-        next launch, so that the next attempt does not start cold too."""
+        """Whether the server was found unusable when asked for ``plan``'s standbys (killed
+        since its last fork, or not answering): a replacement is started then, not at
+        the next launch, so that the next attempt does not start cold too."""
         assert self.forks is not None
         return (not plan.halted and self.forks.server is None and not self.forks.given_up
                 and any(w.rank not in self.standbys for w in plan.wanted))
