@@ -67,9 +67,10 @@ async def test_killed_rank_restarts_and_resumes_from_checkpoint(tmp_path: Path,
             "--log-dir", str(tmp_path / "logs"), TRAIN, *STEPS,
             "--checkpoint-dir", str(tmp_path / "ck")]
     async with supervisor(args) as sup:
+        started = sup.out.cursor  # rank 0's checkpoint may come before rank 1's first line
         pid = int((await sup.out.expect(r"rank 1/2 pid (\d+) starting at step 0",
                                         timeout=120)).group(1))
-        await sup.out.expect(r"checkpoint at step 40$", timeout=120)
+        await sup.out.expect(r"checkpoint at step 40$", timeout=120, since=started)
         os.kill(pid, signal.SIGKILL)
         resumed = await sup.out.expect(r"rank \d/2 pid \d+ starting at step (\d+) \(restart 1\)",
                                        timeout=120)
