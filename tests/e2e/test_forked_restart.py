@@ -9,6 +9,7 @@ import re
 import signal
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -67,14 +68,24 @@ async def test_a_restart_runs_in_a_standby_forked_from_the_fork_server(tmp_path:
             assert warm[key] == cold[key], key
 
 
+def one_standby_job(logs: Path) -> list[str]:
+    """One rank that hangs until SIGUSR1 (then exits 1 in attempt 0), a fork server."""
+    return [*BASE, "--max-restarts", "2", "--log-dir", str(logs), "--preload",
+            "xml.dom.minidom", FAKE_WORKER, "--hang", "--usr1-exit", "1", "--fail-attempts", "1"]
+
+
+async def standby_forked(sup: Any) -> tuple[int, int]:
+    """(rank 0's pid, the fork server's pid) once the next attempt's standby is forked."""
+    pid = int((await sup.out.expect(r"^ready 0 (\d+) 0$")).group(1))
+    server = int((await sup.err.expect(r"fork server \(pid (\d+)\) ready")).group(1))
+    await sup.err.expect(r"standby for local rank 0 forked as pid \d+")
+    return pid, server
+
+
 async def test_a_dead_fork_server_means_cold_starts_and_a_new_server(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
-    args = [*BASE, "--max-restarts", "2", "--log-dir", str(logs), "--preload",
-            "xml.dom.minidom", FAKE_WORKER, "--hang", "--usr1-exit", "1", "--fail-attempts", "1"]
-    async with supervisor(args) as sup:
-        pid = int((await sup.out.expect(r"^ready 0 (\d+) 0$")).group(1))
-        server = int((await sup.err.expect(r"fork server \(pid (\d+)\) ready")).group(1))
-        await sup.err.expect(r"standby for local rank 0 forked as pid \d+")
+    async with supervisor(one_standby_job(logs)) as sup:
+        pid, server = await standby_forked(sup)
         os.kill(server, signal.SIGKILL)  # its standby lives on: the restart is warm
         os.kill(pid, signal.SIGUSR1)
         await sup.out.expect(r"^ready 0 \d+ 1$")
@@ -96,12 +107,8 @@ async def test_a_server_found_unusable_at_a_fork_is_replaced_at_once(tmp_path: P
     started then, and forks them, instead of at the next launch (which would start cold
     too)."""
     logs = tmp_path / "logs"
-    args = [*BASE, "--max-restarts", "2", "--log-dir", str(logs), "--preload",
-            "xml.dom.minidom", FAKE_WORKER, "--hang", "--usr1-exit", "1", "--fail-attempts", "1"]
-    async with supervisor(args) as sup:
-        pid = int((await sup.out.expect(r"^ready 0 (\d+) 0$")).group(1))
-        server = int((await sup.err.expect(r"fork server \(pid (\d+)\) ready")).group(1))
-        await sup.err.expect(r"standby for local rank 0 forked as pid \d+")
+    async with supervisor(one_standby_job(logs)) as sup:
+        pid, server = await standby_forked(sup)
         os.kill(server, signal.SIGSTOP)  # alive, but it forks no more
         os.kill(pid, signal.SIGUSR1)
         await sup.out.expect(r"^ready 0 \d+ 1$")  # attempt 1 in the standby forked before
