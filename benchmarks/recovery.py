@@ -12,7 +12,9 @@ records; the phases of that time come from the same records (new interpreter run
 
 - ours cold (``--no-warm-restart``), ours warm, ours warm with
   ``--preload torch,torch._dynamo``, ours warm with ``--preload auto`` (its crashes come
-  at --crash-after or 10 s, whichever is later: auto's standbys start 5.5 s after a launch);
+  at --crash-after or 10 s, whichever is later: auto's standbys start 5.5 s after a launch),
+  and the same again in a log directory holding the list the auto cell's run kept
+  (``LOG_DIR/RUN_ID/preload-auto.json``: the job run a second time on the node);
 - torchrun ``--standalone`` and torchrun static (``--rdzv-backend static``), same job.
 
 torchrun's restarts of this job often fail (the restarted ranks read the previous
@@ -66,6 +68,11 @@ class Cell:
     # the fork server's CPU (with its reaped intermediate children's) per attempt after
     # its preload: what forking each attempt's standbys cost, one figure per run
     fork_cpu: list[float] = field(default_factory=list)
+    seed_from: str | None = None  # a cell whose last run's kept auto list this one starts with
+
+
+KEPT = Path("none") / "preload-auto.json"  # --preload auto's list, in the run directory
+kept_lists: dict[str, bytes] = {}  # cell name -> the list its last run kept
 
 
 def command(cell: Cell, ranks: int, restarts: int, logs: Path) -> list[str]:
@@ -94,6 +101,9 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
     root = Path(tempfile.mkdtemp(prefix=f"recovery-{cell.kind}-"))
     out = root / "out"
     out.mkdir()
+    if cell.seed_from is not None and cell.seed_from in kept_lists:
+        (root / "logs" / KEPT.parent).mkdir(parents=True, mode=0o700)
+        (root / "logs" / KEPT).write_bytes(kept_lists[cell.seed_from])
     argv = [*command(cell, ranks, crashes, root / "logs"), str(JOB), str(out),
             "--crashes", str(crashes),
             *(["--crash-after", str(cell.crash_after)] if cell.crash_after else CRASH_AFTER),
@@ -119,6 +129,8 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
     finally:
         stop(proc)
     found = collect(cell, out, ranks, crashes)
+    with contextlib.suppress(OSError):
+        kept_lists[cell.name] = (root / "logs" / KEPT).read_bytes()
     if cpu is not None and (per := cpu.per_attempt(found + 1)) is not None:
         cell.fork_cpu.append(per)
     cell.runs += 1
@@ -248,6 +260,8 @@ def cells(crash_after: float) -> list[Cell]:
         # 1 and 5 s after it started), then import at idle priority: crashes come later
         Cell("ours warm + preload auto", "ours", ("--preload", "auto"),
              crash_after=max(10.0, crash_after)),
+        Cell("ours warm + preload auto again", "ours", ("--preload", "auto"),
+             crash_after=max(10.0, crash_after), seed_from="ours warm + preload auto"),
         Cell("torchrun standalone", "torchrun"),
         Cell("torchrun static", "torchrun"),
     ]

@@ -211,7 +211,7 @@ async def supervise(
     )
     death = DeathSignal()
     pool = make_pool(settings, rendezvous, environ, death, progress, guardian,
-                     fork_server=not embedded)
+                     fork_server=not embedded, run_dir=log_root / run_id)
     base_env = worker_base_env(environ, settings.local_world_size, cookie)
     group = WorkerGroup(
         settings, run_id=run_id, events=events, log_root=log_root, output=output,
@@ -353,6 +353,7 @@ def make_pool(
     guardian: Guardian,
     *,
     fork_server: bool = False,
+    run_dir: Path | None = None,
 ) -> Pool:
     """The warm pool (``--no-warm-restart``: none, every attempt starts cold; nor where
     no attempt can follow the first and nothing is preloaded: its code is not even
@@ -360,7 +361,8 @@ def make_pool(
 
     ``fork_server``: with ``--preload``, standbys are forked from one fork server per
     node; only where we are a child subreaper (the daemon), so that a forked standby is
-    reparented to us. The embedded API keeps standbys that import for themselves."""
+    reparented to us. The embedded API keeps standbys that import for themselves.
+    ``run_dir``: where ``--preload auto`` keeps what it learned for the next run."""
     second_attempt = attempt_may_follow(0, settings.max_restarts,
                                         rendezvous.capabilities.membership_can_change)
     if settings.no_warm_restart or not (second_attempt or settings.preload):
@@ -377,7 +379,7 @@ def make_pool(
         settings, python=python, death=death,
         progress=progress,
         membership_can_change=rendezvous.capabilities.membership_can_change,
-        guardian=guardian, forks=forks,
+        guardian=guardian, forks=forks, run_dir=run_dir,
     )
 
 

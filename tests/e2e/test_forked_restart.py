@@ -149,6 +149,32 @@ async def test_auto_learns_again_from_the_first_warm_attempt(tmp_path: Path) -> 
                      for n in (1, 2))
     assert "psutil" in first and "iniconfig" not in first
     assert "psutil" in second and "iniconfig" in second
+    kept = json.loads((logs / "none" / "preload-auto.json").read_text())
+    assert {"psutil", "iniconfig"} <= set(kept["names"])  # for the next run
+
+
+async def test_auto_starts_with_what_an_earlier_run_kept(tmp_path: Path) -> None:
+    """The list an earlier run with this log directory and run id kept (here written as
+    that run would have left it) is imported while the rendezvous forms: the first
+    restart is warm with the pure-Python module too, which a cold first attempt's shared
+    libraries cannot show."""
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = tmp_path / "logs"
+    (logs / "none").mkdir(parents=True, mode=0o700)
+    (logs / "none" / "preload-auto.json").write_text(
+        json.dumps({"names": ["psutil", "iniconfig"], "exclude": []}))
+    args = [*BASE, "--max-restarts", "2", "--log-dir", str(logs), "--preload", "auto",
+            str(WORKERS / "auto_refine_job.py"), str(out)]
+    async with supervisor(args) as sup:
+        await sup.err.expect(r"fork server \(pid \d+\) ready: preloaded auto", timeout=60)
+        await sup.err.expect(r"standby for local rank 0 forked as pid", timeout=30)
+        (out / "go1").touch()
+        (out / "go0").touch()
+        assert await sup.wait() == 0
+    assert warm_ranks(logs)[:2] == [None, [0]]
+    first = json.loads((out / "r1_0.json").read_text())["modules_at_start"]
+    assert "psutil" in first and "iniconfig" in first
 
 
 async def test_auto_learns_once_per_node_and_a_second_server_preloads_it(

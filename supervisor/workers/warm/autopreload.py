@@ -17,13 +17,20 @@ The rule (docs/design.md, "standby"):
   which is discarded; its top-level package is never preloaded again in this run, and a
   new standby starts without it. Reads from C (``getenv``) are not seen.
 
-This module holds the supervisor's side: reading what workers left (untrusted input:
-bounded, validated, never followed through a symlink) and writing a standby's list.
+The node's list is also kept in the run directory (``LOG_DIR/RUN_ID/preload-auto.json``),
+so that the next run with the same log directory and run id (a systemd restart, a job run
+again) starts its fork server with it at once instead of learning it again.
+
+This module holds the supervisor's side: reading what workers left and what an earlier run
+kept (untrusted input: bounded, validated, never followed through a symlink) and writing a
+standby's list and the node's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import logging
 import marshal
 import os
 import stat
@@ -32,7 +39,10 @@ from pathlib import Path
 
 from supervisor.core.envs import PER_ATTEMPT_ENV
 
+logger = logging.getLogger(__name__)
+
 RECORD_NAME = "imported_modules.txt"
+KEPT_NAME = "preload-auto.json"  # the node's list, kept in the run directory
 MAX_RECORD = 4 << 20  # bytes of a worker's record we read at most
 MAX_NAMES = 20_000
 _SITE_DIRS = ("site-packages", "dist-packages")
@@ -44,19 +54,60 @@ def is_module_name(name: str) -> bool:
 
 def read_record(rank_dir: Path) -> list[str]:
     """The module names a warm worker recorded (empty if none or unreadable)."""
-    try:
-        fd = os.open(rank_dir / RECORD_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                     | os.O_CLOEXEC)
-    except OSError:
-        return []
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return []
-        data = f.read(MAX_RECORD + 1)
-    if len(data) > MAX_RECORD:
-        return []
+    data = _read_bounded(rank_dir / RECORD_NAME)
     names = [n for n in data.decode("utf-8", "replace").splitlines() if is_module_name(n)]
     return names[:MAX_NAMES]
+
+
+def read_kept(run_dir: Path) -> tuple[list[str], set[str]]:
+    """What an earlier run with this run directory learned: the node's names and the
+    packages excluded as tainted (both empty if absent, unreadable or malformed)."""
+    try:
+        doc = json.loads(_read_bounded(run_dir / KEPT_NAME) or b"{}")
+    except (ValueError, RecursionError):
+        doc = None
+    if not isinstance(doc, dict):
+        logger.warning("%s is malformed: --preload auto learns again", run_dir / KEPT_NAME)
+        return [], set()
+    names, excluded = doc.get("names", []), doc.get("exclude", [])
+    if not isinstance(names, list) or not isinstance(excluded, list):
+        return [], set()
+    valid = [n for n in names if isinstance(n, str) and is_module_name(n)][:MAX_NAMES]
+    return list(dict.fromkeys(valid)), {n for n in excluded[:MAX_NAMES]
+                                        if isinstance(n, str) and is_module_name(n)}
+
+
+def keep(run_dir: Path, names: list[str], excluded: set[str]) -> None:
+    """Keep the node's list for the next run (written whole, then renamed: a reader never
+    sees half of it). A failure (a full disk) is one warning: the next run learns again."""
+    tmp = run_dir / f".{KEPT_NAME}.{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump({"names": names, "exclude": sorted(excluded)}, f)
+        os.replace(tmp, run_dir / KEPT_NAME)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        logger.warning("cannot keep --preload auto's list in %s: %s", run_dir, exc)
+
+
+def _read_bounded(path: Path) -> bytes:
+    """A regular file's bytes, at most ``MAX_RECORD`` (empty if absent, not a regular file,
+    a symlink, unreadable or larger)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""
+        try:
+            data = f.read(MAX_RECORD + 1)
+        except OSError:
+            return b""
+    return b"" if len(data) > MAX_RECORD else data
 
 
 def mapped_packages(pid: int) -> list[str]:

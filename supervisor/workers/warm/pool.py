@@ -108,6 +108,7 @@ class WarmPool:
         guardian: Guardian | None = None,
         forks: ForkSlot | None = None,
         spawner: Spawner = SPAWNER,
+        run_dir: Path | None = None,
     ) -> None:
         self.settings = settings
         self.spawner = spawner  # forks every started standby (spawn.Spawner says why)
@@ -121,6 +122,7 @@ class WarmPool:
         self._forked: set[int] = set()  # local ranks whose standby was forked
         self._forked_from: dict[int, int] = {}  # local rank -> pid of the server it came from
         self._node_auto: list[str] | None = None  # --preload auto: learned for the node
+        self._learned_first = False  # learned from this run's first attempt
         self._auto_refined = False  # learned again from a warm attempt's own record
         self.python = python
         self.death = death
@@ -133,6 +135,13 @@ class WarmPool:
         self.options = StandbyOptions(preload=explicit, auto="auto" in settings.preload)
         self.auto_names: dict[int, list[str]] = {}  # local rank -> its last worker's imports
         self.auto_excluded: set[str] = set()  # packages that read a per-attempt variable
+        # --preload auto under the fork server: the node's list an earlier run kept here
+        self._run_dir = run_dir if self.options.auto and forks is not None else None
+        self._kept: tuple[list[str], set[str]] = ([], set())
+        if self._run_dir is not None:
+            self._kept = autopreload.read_kept(self._run_dir)
+            self._node_auto = list(self._kept[0]) or None
+            self.auto_excluded |= self._kept[1]
         self._taint_retries: dict[int, int] = {}
         self._cold: dict[int, str] = {}  # local rank -> why its standby went unused
         self._pending_cold: dict[int, str] = {}  # the same, learned before the launch
@@ -218,7 +227,7 @@ class WarmPool:
             if self._died_at_fork(due) and await self.forks.prepare(config) \
                     and self._attempt is attempt and _running(attempt):
                 await self._start(self._plan(attempt))  # from its replacement, at once
-        if self.options.auto and (self._node_auto is None or self._refine_auto(attempt)):
+        if self.options.auto and (not self._learned_first or self._refine_auto(attempt)):
             await self._learn_auto(attempt)
 
     def _died_at_fork(self, plan: StandbyPlan) -> bool:
@@ -250,11 +259,15 @@ class WarmPool:
         if not _running(attempt):
             return
         learned = await anyio.to_thread.run_sync(self._node_names, attempt)
+        self._learned_first = True
         names = list(dict.fromkeys([*(self._node_auto or ()), *learned]))
         if not names or names == self._node_auto:
             self._node_auto = names
             return  # nothing new: the server there is the one to keep
         self._node_auto = names
+        kept = self._to_keep()
+        if kept is not None:
+            await anyio.to_thread.run_sync(autopreload.keep, *kept)
         config = self._fork_config(attempt)
         if config is None or not await self.forks.prepare(config):
             return
@@ -267,6 +280,16 @@ class WarmPool:
                 self._discard(standby)
         if self._attempt is attempt and _running(attempt):
             await self._start(self._plan(attempt))
+
+    def _to_keep(self) -> tuple[Path, list[str], set[str]] | None:
+        """``autopreload.keep``'s arguments: the run directory, the node's auto list and the
+        packages found tainted, for the next run; None when there is nothing new."""
+        assert self.forks is not None
+        kept = (list(self._node_auto or ()), self.auto_excluded | self.forks.excluded)
+        if self._run_dir is None or kept == self._kept or not kept[0]:
+            return None
+        self._kept = kept
+        return self._run_dir, *kept
 
     def _node_names(self, attempt: Attempt) -> list[str]:
         """What the first attempt's workers imported, in order, every rank's (a thread)."""
@@ -281,9 +304,10 @@ class WarmPool:
 
     def warm_up(self, preview: Preview | None) -> None:
         """At the supervisor's start (while the rendezvous forms): have the fork server
-        import the explicit ``--preload`` list for the command the first attempt will run,
-        so that an early crash finds it ready."""
-        if preview is None or not self.forking or not self.options.preload \
+        import the explicit ``--preload`` list (and the ``auto`` list an earlier run kept)
+        for the command the first attempt will run, so that an early crash finds it ready."""
+        if preview is None or not self.forking \
+                or not (self.options.preload or self._node_auto) \
                 or not (self.restart_possible(0) or self.settings.fork_first_attempt):
             return
         config = self._config_for(preview.argv, None, preview.envs)
@@ -752,6 +776,9 @@ class WarmPool:
                 self.guardian.forget(pid)
         self._forked.clear()
         if self.forks is not None:
+            kept = self._to_keep()  # with packages found tainted since it was learned
+            if kept is not None:
+                autopreload.keep(*kept)
             self.forks.close()
 
 
