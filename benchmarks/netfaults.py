@@ -97,6 +97,9 @@ def main() -> None:
     p.add_argument("--run", type=float, default=None,
                    help="seconds the lossy and slow-link jobs run once formed "
                         "(default 120, quick 20)")
+    p.add_argument("--election-timeout", type=int, default=netjob.ETCD_TIMING_MS[1],
+                   help="etcd's election timeout in ms (the lab's default 500; etcd's own "
+                        "1000); the heartbeat interval is a tenth of it")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--code", default=str(REPO), help="source tree the supervisors run")
@@ -106,6 +109,7 @@ def main() -> None:
     args.outage = args.outage or (6.0 if args.quick else 20.0)
     args.settle = args.settle or 2.0 * args.ttl
     args.run = args.run or (20.0 if args.quick else 120.0)
+    netjob.ETCD_TIMING_MS[:] = [max(1, args.election_timeout // 10), args.election_timeout]
     reason = unavailable()
     if reason is None and "slow-link" in args.cases.split(","):
         reason = delay_unavailable()

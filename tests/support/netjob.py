@@ -80,6 +80,11 @@ def http_get(host: Host, url: str) -> bytes | None:
     return done.stdout if done.returncode == 0 else None
 
 
+# etcd's heartbeat interval and election timeout in the lab, ms (its defaults: 100, 1000);
+# benchmarks/netfaults.py --election-timeout sets them (heartbeat a tenth of it)
+ETCD_TIMING_MS = [50, 500]
+
+
 @dataclass
 class Etcd:
     """One etcd member in its namespace."""
@@ -100,7 +105,8 @@ class Etcd:
                 "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", self.cluster, "--initial-cluster-state", state,
-                "--heartbeat-interval", "50", "--election-timeout", "500"]
+                "--heartbeat-interval", str(ETCD_TIMING_MS[0]),
+                "--election-timeout", str(ETCD_TIMING_MS[1])]
 
 
 @dataclass
@@ -412,8 +418,9 @@ def leave_after_isolation(*, ttl: int, raft_leader: bool = False, code: Path = R
     isolated at the bridge and node C leaves (SIGTERM) right after, before any watch
     could notice that e0 went quiet. e0 is a raft follower (or, with ``raft_leader``, the
     raft leader: then nothing commits until e1 and e2 elect a new leader, after the
-    election timeout, 500 ms here). Figures: when A and B saw the leave, and when each
-    node's watch left e0 (a stream closed there), both after the isolation."""
+    election timeout, ``ETCD_TIMING_MS``: 500 ms unless said otherwise). Figures: when A
+    and B saw the leave, and when each node's watch left e0 (a stream closed there), both
+    after the isolation."""
     with job(ttl=ttl, code=code, keep=keep) as j:
         j.start_etcd(3)
         a, b, c = (j.start_node(x) for x in "abc")
