@@ -60,6 +60,7 @@ from supervisor.preflight import (
     check_run_dir,
     check_runnable,
     check_timer_file,
+    forget_log_root,
     make_log_root,
     open_health_socket,
 )
@@ -158,9 +159,13 @@ async def supervise(
     run_id = resolve_run_id(settings)
     log_root = make_log_root(settings)
     event_log = Path(settings.event_log or log_root / run_id / "events.jsonl")
-    check_run_dir(log_root, run_id)
-    check_event_log(event_log, "event_log" if settings.event_log else "log_dir", log_root)
-    runtime = RuntimeDir.create(environ)  # before the rendezvous: a c10d host's etcd data
+    try:
+        check_run_dir(log_root, run_id)
+        check_event_log(event_log, "event_log" if settings.event_log else "log_dir", log_root)
+        runtime = RuntimeDir.create(environ)  # before the rendezvous: a c10d host's etcd data
+    except BaseException:
+        forget_log_root(settings, log_root, run_id)
+        raise
     timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
     sock: socket.socket | None = None
     rendezvous: Rendezvous | None = None
@@ -189,6 +194,7 @@ async def supervise(
         if sock is not None:
             sock.close()  # the Python API's caller lives on: leak nothing
         runtime.cleanup()
+        forget_log_root(settings, log_root, run_id)
         raise
     events = EventLog(event_log, run_id, root=log_root)
     etcd = rendezvous.etcd_service()

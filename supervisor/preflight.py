@@ -8,11 +8,13 @@ port ends the start before this node is counted in by the others).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -171,6 +173,21 @@ def make_log_root(settings: Settings) -> Path:
     except OSError as exc:
         message = f"log_dir: cannot create a directory in {tempfile.gettempdir()}: {_reason(exc)}"
         raise ConfigError(message + " (set --log-dir or TMPDIR)") from None
+
+def forget_log_root(settings: Settings, log_root: Path, run_id: str) -> None:
+    """A start that failed before the run began leaves no directory of its own behind: the
+    fresh one ``make_log_root`` made (no ``--log-dir``) is removed when it holds nothing
+    but the run directory and its still empty event log. Anything else stays."""
+    if settings.log_dir:
+        return
+    events = log_root / run_id / "events.jsonl"
+    with contextlib.suppress(OSError):
+        if stat.S_ISREG(os.lstat(events).st_mode) and os.lstat(events).st_size == 0:
+            os.unlink(events)
+    with contextlib.suppress(OSError):
+        os.rmdir(log_root / run_id)
+        os.rmdir(log_root)
+
 
 def check_run_dir(log_root: Path, run_id: str) -> None:
     """``LOG_DIR/RUN_ID`` is made (or found) without following a symlink, and must be this

@@ -95,8 +95,22 @@ def test_a_busy_port_that_was_chosen_is_one_line_and_exit_2(tmp_path: Path, how:
     [("no-such-host.invalid", ("health_host", "cannot resolve 'no-such-host.invalid'")),
      ("192.0.2.1", ("health_host", "192.0.2.1 is not an address of this machine"))],
 )
-def test_an_unusable_health_host_is_one_line(host: str, fragments: tuple[str, ...]) -> None:
-    one_line_error(cli("run", "--health-host", host, "--health-port", "0", HELLO), *fragments)
+def test_an_unusable_health_host_is_one_line(host: str, fragments: tuple[str, ...],
+                                            tmp_path: Path) -> None:
+    result = cli("run", "--health-host", host, "--health-port", "0", HELLO,
+                 env={"TMPDIR": str(tmp_path)})
+    one_line_error(result, *fragments)
+    # without --log-dir the start made a fresh log directory in TMPDIR: a start that
+    # failed removes it again (it held only an empty event log)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failed_start_keeps_a_log_directory_that_was_given(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    result = cli("run", "--health-host", "192.0.2.1", "--health-port", "0",
+                 "--log-dir", str(logs), HELLO)
+    one_line_error(result, "health_host")
+    assert (logs / "none" / "events.jsonl").is_file()  # the user's directory: left alone
 
 
 def test_an_unknown_master_addr_is_one_line() -> None:
