@@ -175,6 +175,7 @@ class Reachability:
     total_outage: float = 0.0  # seconds unreachable over all finished outages
     recovered_at: float | None = None  # when the last outage ended
     last_failure_at: float | None = None  # the last pass in which no endpoint answered
+    answered_at: float | None = None  # the last answer of any call
 
     def outage_age(self, now: float) -> float:
         """Seconds the current outage has lasted (0 when reachable)."""
@@ -370,22 +371,28 @@ class EtcdClient:
     def _reached(self) -> None:
         """An endpoint answered: end the outage, if there was one."""
         r = self.reachability
+        now = time.monotonic()
+        r.answered_at = now
         if r.unreachable_since is None:
             return
-        now = time.monotonic()
         r.last_outage = now - r.unreachable_since
         r.total_outage += r.last_outage
         r.unreachable_since, r.recovered_at, r.cause = None, now, ""
         if self.on_reachability is not None:
             self.on_reachability(True, r)
 
-    def _unreached(self, cause: str) -> None:
-        """A whole pass failed: start (or extend) the outage."""
+    def _unreached(self, cause: str, began: float) -> None:
+        """A whole pass, begun at ``began``, failed: start (or extend) the outage. Not when
+        another call got an answer after that pass began: its failures are older news than
+        that answer (a pass that waited out a member without a leader while the members
+        that had been down came back), and one outage would be reported as two."""
         r = self.reachability
         now = time.monotonic()
         r.cause, r.last_failure_at = cause, now
         self.stats.retry_passes += 1
         if r.unreachable_since is not None:
+            return
+        if r.answered_at is not None and r.answered_at > began:
             return
         r.unreachable_since = now
         r.outages += 1
@@ -448,6 +455,7 @@ class EtcdClient:
         hedge = self.hedge_after if hedge_after == "default" else hedge_after
         delay = 0.05
         while True:
+            began = time.monotonic()
             if hedge is not None and len(self.endpoints) > 1:
                 data, failures = await self._pass_hedged(path, body, hedge, attempt_timeout)
             else:
@@ -455,7 +463,7 @@ class EtcdClient:
             if data is not None:
                 self._reached()
                 return data
-            self._unreached("; ".join(failures))
+            self._unreached("; ".join(failures), began)
             remaining = self._may_retry(window)
             if remaining <= 0:
                 age = self.reachability.outage_age(time.monotonic())

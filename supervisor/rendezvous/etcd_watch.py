@@ -330,6 +330,7 @@ class Watch:
             window = max(window, client.timeout)
         while True:
             failures: list[str] = []
+            began = time.monotonic()
             for endpoint in self._candidates(slot):
                 try:
                     await stream.connect(endpoint, self.next_revision)
@@ -347,7 +348,7 @@ class Watch:
             if slot == 0 and not (sibling is not None and sibling.live):
                 # A watch that connects proves little, so only failures count towards the
                 # outage; the next unary answer ends it.
-                client._unreached("; ".join(failures))
+                client._unreached("; ".join(failures), began)
                 remaining = client._may_retry(window)
                 if remaining <= 0:
                     age = client.reachability.outage_age(time.monotonic())
