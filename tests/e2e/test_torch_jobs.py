@@ -35,9 +35,10 @@ _REFERENCE: list[str] = []  # torchrun's final loss, once it ran in this process
 @pytest.fixture(scope="module")
 def torchrun_loss(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The job's final loss under torchrun: run once for the module's tests (they share
-    one xdist worker, group ``torch``), each compares its own run with it. Kept beyond the
-    fixture: an xdist worker whose queue ran dry for a moment tears module fixtures down
-    and would run the same reference job again."""
+    one xdist worker, group ``torch``), each compares its own run with it. Kept for the
+    process, beyond the fixture: while the group marks were ignored (pytest 9, see
+    pyproject.toml) the module's tests spread over workers and the reference job ran
+    once per worker; if the fixture is ever set up again in one process, it does not."""
     deps.need_marker("torch")  # before the tests' own check: module fixtures come first
     if not _REFERENCE:
         _REFERENCE.append(torchrun_final_loss(tmp_path_factory.mktemp("torchrun")))
