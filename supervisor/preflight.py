@@ -182,7 +182,8 @@ def forget_log_root(settings: Settings, log_root: Path, run_id: str) -> None:
         return
     events = log_root / run_id / "events.jsonl"
     with contextlib.suppress(OSError):
-        if stat.S_ISREG(os.lstat(events).st_mode) and os.lstat(events).st_size == 0:
+        found = os.lstat(events)
+        if stat.S_ISREG(found.st_mode) and found.st_size == 0:
             os.unlink(events)
     with contextlib.suppress(OSError):
         os.rmdir(log_root / run_id)

@@ -72,9 +72,13 @@ def read_kept(run_dir: Path) -> tuple[list[str], set[str]]:
     names, excluded = doc.get("names", []), doc.get("exclude", [])
     if not isinstance(names, list) or not isinstance(excluded, list):
         return [], set()
-    valid = [n for n in names if isinstance(n, str) and is_module_name(n)][:MAX_NAMES]
-    return list(dict.fromkeys(valid)), {n for n in excluded[:MAX_NAMES]
-                                        if isinstance(n, str) and is_module_name(n)}
+    return _module_names(names), set(_module_names(excluded))
+
+
+def _module_names(values: list[object]) -> list[str]:
+    """The valid module names among ``values``, once each, in order, at most MAX_NAMES."""
+    valid = (v for v in values if isinstance(v, str) and is_module_name(v))
+    return list(dict.fromkeys(valid))[:MAX_NAMES]
 
 
 def keep(run_dir: Path, names: list[str], excluded: set[str]) -> None:
