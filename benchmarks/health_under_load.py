@@ -31,6 +31,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import psutil
 
 from benchmarks.health_load import drive, report
 
@@ -117,6 +120,14 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def busy_share(before: Any, after: Any) -> float:
+    """The machine's share of CPU time not idle between two ``psutil.cpu_times()``: how
+    close the load (workers, supervisor, client together) comes to saturating the cores."""
+    total = sum(after) - sum(before)
+    idle = (after.idle - before.idle) + (after.iowait - before.iowait)
+    return 1.0 - idle / total if total > 0 else float("nan")
+
+
 def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[str, object]:
     with tempfile.TemporaryDirectory(prefix="health-load-") as tmp:
         base = Path(tmp)
@@ -127,6 +138,7 @@ def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[
         try:
             wait_serving(port, settle=args.settle)
             http: dict[str, object] = {}
+            before = psutil.cpu_times()
             if loaded:
                 if args.client_nice:  # this process only: the supervisor keeps nice 0
                     os.setpriority(os.PRIO_PROCESS, 0, args.client_nice)
@@ -136,12 +148,13 @@ def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[
                     http = report(results, args.rate, as_json=True)
             else:
                 time.sleep(args.duration)
+            busy = busy_share(before, psutil.cpu_times())
         finally:
             if args.client_nice:
                 os.setpriority(os.PRIO_PROCESS, 0, 0)
             stop(proc)
         lat = restart_latencies(base / "out")
-        return {"loaded": loaded, "restarts": len(lat),
+        return {"loaded": loaded, "restarts": len(lat), "cpu_busy": busy,
                 "restart_p50_ms": statistics.median(lat) if lat else float("nan"),
                 "restart_max_ms": max(lat) if lat else float("nan"), "http": http}
 
@@ -181,6 +194,8 @@ def main() -> int:
                                ("achieved_rate", "achieved requests/s", ">= 2000"),
                                ("errors", "errors", "0")):
         print(f"| {label} | {steady[key]} | {busy[key]} | {target} |")
+    print(f"| machine CPU busy (all cores) | {flood['cpu_busy']:.0%} | "
+          f"{loaded['cpu_busy']:.0%} | |")
     print(f"| crash -> restarted rank 0, median ms | unloaded: {unloaded['restart_p50_ms']:.1f} "
           f"({unloaded['restarts']} restarts) | under load: {loaded['restart_p50_ms']:.1f} "
           f"({loaded['restarts']} restarts) | |")

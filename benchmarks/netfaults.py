@@ -14,7 +14,8 @@ same, etcd SIGKILLed and restarted in the middle), ``member`` (one etcd member o
 isolated: leave, loss and scale-up seen by the others), ``member-leave`` (a node leaves
 right after a member's isolation, before any watch noticed it; the member is a raft
 follower), ``member-leave-leader`` (the same, the isolated member being the raft leader;
-both need etcdctl), ``outage`` (etcd gone for every
+both need etcdctl), ``leave-leader-killed`` (the same, the leader SIGKILLed instead of
+isolated: the election alone, for comparison), ``outage`` (etcd gone for every
 node: ridden out with the same workers), ``lossy`` (5 % of the frames between the nodes
 and etcd dropped: no spurious restart), ``slow-link`` (the issue's case: 200 ms RTT and 5 %
 loss between the nodes and etcd, the lab's delayer standing in for netem: time to form, and
@@ -33,8 +34,8 @@ from tests.support.netlab import delay_unavailable, sweep_stale, unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 
-CASES = ("cut", "cut-restart", "member", "member-leave", "member-leave-leader", "outage",
-         "lossy", "slow-link")
+CASES = ("cut", "cut-restart", "member", "member-leave", "member-leave-leader",
+         "leave-leader-killed", "outage", "lossy", "slow-link")
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -61,9 +62,10 @@ def one(case: str, args: argparse.Namespace, code: Path, cut: float | None
                                          restart_etcd=case == "cut-restart")
     if case == "member":
         return netjob.isolated_member(ttl=args.ttl, settle=args.settle, code=code)
-    if case.startswith("member-leave"):
+    if case.startswith("member-leave") or case == "leave-leader-killed":
         return netjob.leave_after_isolation(ttl=args.ttl, code=code,
-                                            raft_leader=case == "member-leave-leader")
+                                            raft_leader=case != "member-leave",
+                                            kill=case == "leave-leader-killed")
     if case == "outage":
         return netjob.etcd_down_for_everyone(ttl=args.ttl, outage=args.outage, code=code)
     if case == "slow-link":

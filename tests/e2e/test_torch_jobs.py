@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import anyio
@@ -15,47 +12,23 @@ import pytest
 
 from tests.support import deps
 from tests.support.daemon import supervisor
-from tests.support.paths import REPO
+from tests.support.torchref import FINAL, STEPS, TRAIN, torchrun_final_loss
 
 deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
 # torch training jobs (gloo, several ranks) each load both cores: one at a time, so that two
 # of them never share the machine under xdist and run into the per-test timeout
 pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("torch")]
 
-TRAIN = str(REPO / "examples" / "ddp_train.py")
-STEPS = ["--steps", "120", "--checkpoint-every", "20", "--batch", "32"]
-FINAL = r"final loss (\d+\.\d+) after 120 steps$"
 # --tee 3: every console line comes through the supervisor whole (prefixed "[default0]:")
 TEE = ["--tee", "3"]
 
 
-_REFERENCE: list[str] = []  # torchrun's final loss, once it ran in this process
-
-
 @pytest.fixture(scope="module")
 def torchrun_loss(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The job's final loss under torchrun: run once for the module's tests (they share
-    one xdist worker, group ``torch``), each compares its own run with it. Kept for the
-    process, beyond the fixture: while the group marks were ignored (pytest 9, see
-    pyproject.toml) the module's tests spread over workers and the reference job ran
-    once per worker; if the fixture is ever set up again in one process, it does not."""
+    """The job's final loss under torchrun (run once per process, tests/support/torchref.py);
+    each test compares its own run with it."""
     deps.need_marker("torch")  # before the tests' own check: module fixtures come first
-    if not _REFERENCE:
-        _REFERENCE.append(torchrun_final_loss(tmp_path_factory.mktemp("torchrun")))
-    return _REFERENCE[0]
-
-
-def torchrun_final_loss(tmp_path: Path, nproc: int = 2) -> str:
-    torchrun = Path(sys.executable).parent / "torchrun"
-    result = subprocess.run(
-        [str(torchrun), "--nproc-per-node", str(nproc), "--log-dir", str(tmp_path / "tr-logs"),
-         TRAIN, *STEPS, "--checkpoint-dir", str(tmp_path / "tr-ck")],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    m = re.search(FINAL, result.stdout, re.M)
-    assert m, result.stdout[-2000:]
-    return m.group(1)
+    return torchrun_final_loss(tmp_path_factory.mktemp("torchrun"))
 
 
 async def test_same_final_loss_as_torchrun(tmp_path: Path, torchrun_loss: str) -> None:
@@ -156,44 +129,29 @@ async def test_two_nodes_over_etcd_train_like_one_group(tmp_path: Path) -> None:
     assert losses == reference
 
 
-async def _hang_kill_resume(
-    tmp_path: Path, name: str, flags: list[str]
-) -> tuple[str, list[object]]:
-    """Rank 1 hangs at step 30 of the first attempt; once ``ready`` (the standbys are
-    preloaded, if asked) it is SIGKILLed; the job resumes from its step-20 checkpoint.
-    Returns the final loss and which ranks the restart started warm."""
-    logs = tmp_path / f"logs-{name}"
+async def test_preloaded_restart_resumes_to_torchruns_loss(tmp_path: Path,
+                                                        torchrun_loss: str) -> None:
+    """Rank 1 hangs at step 30 of the first attempt; once both standbys are preloaded it is
+    SIGKILLed; the restart runs in the preloaded standbys, resumes from the step-20
+    checkpoint and ends with the loss of an unbroken torchrun run, as a cold restart does
+    (the tests above)."""
+    logs = tmp_path / "logs"
     args = [*TEE, "--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
-            "--log-dir", str(logs), "--log-level", "info", *flags, TRAIN, *STEPS,
-            "--checkpoint-dir", str(tmp_path / f"ck-{name}"), "--hang-at", "30",
+            "--log-dir", str(logs), "--log-level", "info",
+            "--preload", "torch,torch._dynamo", "--preload-after", "0", TRAIN, *STEPS,
+            "--checkpoint-dir", str(tmp_path / "ck"), "--hang-at", "30",
             "--step-timeout", "600"]
     async with supervisor(args) as sup:
         pid = int((await sup.out.expect(r"rank 1/2 pid (\d+) starting at step 0",
                                         timeout=120)).group(1))
         await sup.out.expect(r"rank 1 hanging at step 30", timeout=120)
-        if "--preload" in flags:
-            for _ in range(2):
-                await sup.err.expect(r"preloaded torch,torch._dynamo in", timeout=120)
+        for _ in range(2):
+            await sup.err.expect(r"preloaded torch,torch._dynamo in", timeout=120)
         os.kill(pid, signal.SIGKILL)
         await sup.out.expect(r"starting at step 20 \(restart 1\)", timeout=120)
         loss = (await sup.out.expect(FINAL, timeout=240)).group(1)
         assert await sup.wait() == 0
     events = (logs / "none" / "events.jsonl").read_text().splitlines()
     warm = [json.loads(e).get("warm") for e in events if '"group_started"' in e]
-    return loss, warm
-
-
-async def test_preloaded_restart_resumes_to_the_loss_of_a_cold_restart(tmp_path: Path) -> None:
-    runs: dict[str, tuple[str, list[object]]] = {}
-
-    async def run(name: str, flags: list[str]) -> None:
-        runs[name] = await _hang_kill_resume(tmp_path, name, flags)
-
-    async with anyio.create_task_group() as tg:  # the two jobs side by side
-        tg.start_soon(run, "preload",
-                      ["--preload", "torch,torch._dynamo", "--preload-after", "0"])
-        tg.start_soon(run, "cold", ["--no-warm-restart"])
-    (preloaded, warm), (cold, cold_warm) = runs["preload"], runs["cold"]
     assert warm == [None, [0, 1]]  # the restart ran in the preloaded standbys
-    assert cold_warm == [None, None]
-    assert preloaded == cold
+    assert loss == torchrun_loss

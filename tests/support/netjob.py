@@ -412,15 +412,16 @@ def _elected_at(poller: subprocess.Popen[bytes] | None) -> float | None:
         return None
 
 
-def leave_after_isolation(*, ttl: int, raft_leader: bool = False, code: Path = REPO,
-                          keep: Path | None = None) -> dict[str, Any]:
+def leave_after_isolation(*, ttl: int, raft_leader: bool = False, kill: bool = False,
+                          code: Path = REPO, keep: Path | None = None) -> dict[str, Any]:
     """A 3-member etcd and nodes A, B, C whose first endpoint is member e0; e0 is
     isolated at the bridge and node C leaves (SIGTERM) right after, before any watch
     could notice that e0 went quiet. e0 is a raft follower (or, with ``raft_leader``, the
     raft leader: then nothing commits until e1 and e2 elect a new leader, after the
     election timeout, ``ETCD_TIMING_MS``: 500 ms unless said otherwise). Figures: when A
     and B saw the leave, and when each node's watch left e0 (a stream closed there), both
-    after the isolation."""
+    after the isolation. With ``kill``, e0 is SIGKILLed instead of isolated (its clients'
+    connections close at once): the same election with no blind member, for comparison."""
     with job(ttl=ttl, code=code, keep=keep) as j:
         j.start_etcd(3)
         a, b, c = (j.start_node(x) for x in "abc")
@@ -429,7 +430,11 @@ def leave_after_isolation(*, ttl: int, raft_leader: bool = False, code: Path = R
         j.make_raft_leader(j.members[0] if raft_leader else j.members[1])
         elected = j.watch_election(j.members[1:]) if raft_leader else None
         isolated_at = time.monotonic()
-        j.isolate(j.members[0])
+        if kill:
+            assert j.members[0].proc is not None
+            j.members[0].proc.kill()
+        else:
+            j.isolate(j.members[0])
         c.proc.send_signal(signal.SIGTERM)
         left_at = time.monotonic()
 
@@ -449,7 +454,7 @@ def leave_after_isolation(*, ttl: int, raft_leader: bool = False, code: Path = R
             moved = [left_e0(n) for n in (a, b)]
         election = _elected_at(elected)
         return {
-            "ttl": ttl, "e0_raft_leader": raft_leader,
+            "ttl": ttl, "e0_raft_leader": raft_leader, "e0": "killed" if kill else "isolated",
             "left_after_isolation": left_at - isolated_at,
             # with e0 the leader: when e1 or e2 first named a new one, after the isolation
             "new_leader_after_isolation": _rel(election, isolated_at),
