@@ -387,13 +387,28 @@ def _collapse() -> int:
 
     madvise = _libc().madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    collapsed = 0
     for start, end in regions:
         first = -(-start // HUGE_PAGE) * HUGE_PAGE
         last = end // HUGE_PAGE * HUGE_PAGE
-        if last > first and madvise(first, last - first, MADV_COLLAPSE) == 0:
-            collapsed += last - first
-    return collapsed >> 20
+        if last > first and madvise(first, last - first, MADV_COLLAPSE) != 0:
+            # one 2 MiB range that failed (EAGAIN: a page briefly pinned or not yet on an
+            # LRU list, common on a busy machine) fails the call, whatever the others did:
+            # go over the region again range by range, so only that range is left out
+            for page in range(first, last, HUGE_PAGE):
+                madvise(page, HUGE_PAGE, MADV_COLLAPSE)
+    return _anon_huge_mib()
+
+
+def _anon_huge_mib() -> int:
+    """This process's anonymous memory in huge pages now, in MiB (what the collapse did)."""
+    try:
+        with open("/proc/self/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"AnonHugePages:"):
+                    return int(line.split()[1]) >> 10
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def _prctl() -> Any:
