@@ -15,7 +15,10 @@ records; the phases of that time come from the same records (new interpreter run
   at --crash-after or 10 s, whichever is later: auto's standbys start 5.5 s after a launch),
   and the same again in a log directory holding the list the auto cell's run kept
   (``LOG_DIR/RUN_ID/preload-auto.json``: the job run a second time on the node; its
-  crashes come at --crash-after, as for an explicit list);
+  crashes come at --crash-after, as for an explicit list), and auto's first run with
+  ``--fork-first-attempt`` on a one-node etcd rendezvous that waits a 1 s last call (the
+  first attempt runs in interpreters forked from a server with nothing preloaded, so its
+  workers record every module they import; crashes as for auto);
 - torchrun ``--standalone`` and torchrun static (``--rdzv-backend static``), same job.
 
 torchrun's restarts of this job often fail (the restarted ranks read the previous
@@ -45,6 +48,7 @@ import psutil
 
 from benchmarks.fork_cpu import READY, import_seconds, spent
 from benchmarks.harness import BIN, HERE, ensure_bytecode, free_port, launcher_env
+from benchmarks.healing import etcd_server
 from supervisor.workers.warm.forkserver import is_fork_server_command
 from supervisor.workers.warm.standby import is_standby_command
 
@@ -70,6 +74,9 @@ class Cell:
     # its preload: what forking each attempt's standbys cost, one figure per run
     fork_cpu: list[float] = field(default_factory=list)
     seed_from: str | None = None  # a cell whose last run's kept auto list this one starts with
+    # a one-node etcd rendezvous that waits a last call (1 s) for more nodes, as an elastic
+    # job's does: what lets a fork server be ready before the first attempt
+    etcd: bool = False
 
 
 KEPT = Path("none") / "preload-auto.json"  # --preload auto's list, in the run directory
@@ -83,7 +90,12 @@ def command(cell: Cell, ranks: int, restarts: int, logs: Path) -> list[str]:
         ensure_bytecode()
         exe = BIN / "elastic-supervisor"
         head = [str(exe), "run"] if exe.exists() else [sys.executable, "-m", "supervisor", "run"]
-        return [*head, "--nnodes", "1", *common, "--health-port", "0", *cell.flags]
+        rdzv = ["--nnodes", "1"]
+        if cell.etcd:
+            rdzv = ["--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", ETCD[0],
+                    "--rdzv-id", f"recovery-{os.getpid()}-{time.monotonic_ns()}",
+                    "--rdzv-conf", "last_call_timeout=1"]
+        return [*head, *rdzv, *common, "--health-port", "0", *cell.flags]
     exe = BIN / "torchrun"
     head = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
     if cell.name.endswith("static"):
@@ -94,6 +106,7 @@ def command(cell: Cell, ranks: int, restarts: int, logs: Path) -> list[str]:
     return [*head, *rdzv, *common]
 
 
+ETCD = [""]  # the etcd of the cells that need one (started by main)
 CRASH_AFTER = ["--crash-after", "5"]  # s of training before each crash (the job's default)
 
 
@@ -265,6 +278,12 @@ def cells(crash_after: float) -> list[Cell]:
         # supervisor's start, as for an explicit list: its crashes come at --crash-after
         Cell("ours warm + preload auto again", "ours", ("--preload", "auto"),
              seed_from="ours warm + preload auto"),
+        # auto's first run with the first attempt forked from a server with nothing
+        # preloaded (ready while the round waits its last call): those workers record every
+        # module they import, so auto learns torch._dynamo before the first restart
+        Cell("ours warm + preload auto, first attempt forked", "ours",
+             ("--preload", "auto", "--fork-first-attempt"),
+             crash_after=max(10.0, crash_after), etcd=True),
         Cell("torchrun standalone", "torchrun"),
         Cell("torchrun static", "torchrun"),
     ]
@@ -281,7 +300,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--torchrun-runs", type=int, default=12)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--only", default="", help="comma-separated launcher names to run")
+    ap.add_argument("--only", default="",
+                    help="comma-separated cell names to run (e.g. 'ours cold')")
     ap.add_argument("--crash-after", type=float, default=5.0,
                     help="seconds of training before each crash; below a standby's import "
                          "time (~2.5 s) the crash comes while the standbys still import")
@@ -294,6 +314,28 @@ def main() -> int:
           "steps every 20 ms, mostly waiting", file=sys.stderr, flush=True)
     CRASH_AFTER[1] = str(a.crash_after)
     STALL[0] = a.stall
+    with contextlib.ExitStack() as stack:
+        if any(c.etcd and (not a.only or c.name in a.only.split(","))
+               for c in cells(a.crash_after)):
+            ETCD[0] = stack.enter_context(etcd_server(Path(tempfile.mkdtemp(prefix="rec-"))))
+        results = run_cells(a)
+    table(results)
+    ratios(results)
+    mem = [r for r in results if r.get("standby_rss_mib")]
+    if mem:
+        print("\nPreloaded standby, median per standby: "
+              + "; ".join(f"{r['launcher']}, {r['ranks']} ranks, {r['crash']}: RSS "
+                          f"{r['standby_rss_mib']:.0f} MiB, USS {r['standby_uss_mib']:.0f} MiB"
+                          + (f", fork server CPU per attempt {r['fork_cpu_per_attempt_ms']:.1f} ms"
+                             if r.get("fork_cpu_per_attempt_ms") else "")
+                          for r in mem))
+    if a.json:
+        a.json.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+def run_cells(a: argparse.Namespace) -> list[dict[str, object]]:
+    """Every selected cell, for each rank count and kind of crash; a row per cell."""
     results = []
     for ranks in (int(r) for r in a.ranks.split(",")):
         for mode in a.crashes.split(","):
@@ -312,19 +354,7 @@ def main() -> int:
                 row = summarise(cell, ranks, mode, time.monotonic() - started)
                 results.append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-    table(results)
-    ratios(results)
-    mem = [r for r in results if r.get("standby_rss_mib")]
-    if mem:
-        print("\nPreloaded standby, median per standby: "
-              + "; ".join(f"{r['launcher']}, {r['ranks']} ranks, {r['crash']}: RSS "
-                          f"{r['standby_rss_mib']:.0f} MiB, USS {r['standby_uss_mib']:.0f} MiB"
-                          + (f", fork server CPU per attempt {r['fork_cpu_per_attempt_ms']:.1f} ms"
-                             if r.get("fork_cpu_per_attempt_ms") else "")
-                          for r in mem))
-    if a.json:
-        a.json.write_text(json.dumps(results, indent=1) + "\n")
-    return 0
+    return results
 
 
 def summarise(cell: Cell, ranks: int, mode: str, seconds: float) -> dict[str, object]:

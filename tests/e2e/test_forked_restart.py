@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import pytest
 
 from tests.support.daemon import supervisor
+from tests.support.etcd import EtcdMember
 from tests.support.paths import FAKE_WORKER, WORKERS
 from tests.support.processes import pid_alive
 
@@ -21,13 +23,13 @@ PROBE = str(WORKERS / "probe_main.py")
 BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug"]
 
 
-def events(log_dir: Path) -> list[dict[str, object]]:
-    path = log_dir / "none" / "events.jsonl"
+def events(log_dir: Path, run_id: str = "none") -> list[dict[str, object]]:
+    path = log_dir / run_id / "events.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def warm_ranks(log_dir: Path) -> list[object]:
-    return [e.get("warm") for e in events(log_dir) if e["event"] == "group_started"]
+def warm_ranks(log_dir: Path, run_id: str = "none") -> list[object]:
+    return [e.get("warm") for e in events(log_dir, run_id) if e["event"] == "group_started"]
 
 
 def get(url: str) -> str:
@@ -173,6 +175,33 @@ async def test_auto_starts_with_what_an_earlier_run_kept(tmp_path: Path) -> None
         (out / "go0").touch()
         assert await sup.wait() == 0
     assert warm_ranks(logs)[:2] == [None, [0]]
+    first = json.loads((out / "r1_0.json").read_text())["modules_at_start"]
+    assert "psutil" in first and "iniconfig" in first
+
+
+@pytest.mark.etcd
+async def test_auto_with_a_forked_first_attempt_learns_everything_for_the_first_restart(
+        tmp_path: Path, server: EtcdMember) -> None:
+    """``--preload auto --fork-first-attempt`` on a node that learned nothing yet, its round
+    waiting a last call for more nodes: the first attempt runs in interpreters forked from
+    a server with nothing preloaded, so its workers record what they import, and the first
+    restart already has the pure-Python module a cold first attempt cannot show."""
+    out = tmp_path / "out"
+    out.mkdir()
+    logs = tmp_path / "logs"
+    args = [*BASE, "--max-restarts", "2", "--log-dir", str(logs), "--preload", "auto",
+            "--fork-first-attempt", "--nnodes", "1:2", "--rdzv-backend", "etcd",
+            "--rdzv-endpoint", server.endpoint, "--rdzv-id", "auto-first",
+            "--rdzv-conf", "last_call_timeout=1",
+            str(WORKERS / "auto_refine_job.py"), str(out)]
+    async with supervisor(args) as sup:
+        await sup.err.expect(r"fork server \(pid \d+\) ready: preloaded nothing", timeout=60)
+        await sup.err.expect(r"fork server \(pid \d+\) ready: preloaded auto", timeout=60)
+        for attempt in range(2):
+            await sup.err.expect(r"standby for local rank 0 forked as pid", timeout=30)
+            (out / f"go{attempt}").touch()
+        assert await sup.wait() == 0
+    assert warm_ranks(logs, "auto-first") == [[0], [0], [0]]
     first = json.loads((out / "r1_0.json").read_text())["modules_at_start"]
     assert "psutil" in first and "iniconfig" in first
 

@@ -182,7 +182,8 @@ class ForkSlot:
         self._failed_for = None
         self.ready_at = time.monotonic()
         logger.info("fork server (pid %d) ready: preloaded %s in %.2f s%s", pending.pid,
-                    ",".join([*config.preload, *(["auto"] if config.auto_names else [])]),
+                    ",".join([*config.preload, *(["auto"] if config.auto_names else [])])
+                    or "nothing",
                     self.ready_at - pending.started_at,
                     f" ({report.huge_mib} MiB in huge pages)" if report.huge_mib else "")
         if old is not None:

@@ -305,10 +305,15 @@ class WarmPool:
     def warm_up(self, preview: Preview | None) -> None:
         """At the supervisor's start (while the rendezvous forms): have the fork server
         import the explicit ``--preload`` list (and the ``auto`` list an earlier run kept)
-        for the command the first attempt will run, so that an early crash finds it ready."""
+        for the command the first attempt will run, so that an early crash finds it ready.
+        With ``auto``, nothing kept and ``--fork-first-attempt``, a server with nothing
+        preloaded: the first attempt's forked workers then record every module they import
+        (a cold one shows only its shared libraries), so the first restart gets them all."""
+        first_forked = self.settings.fork_first_attempt
         if preview is None or not self.forking \
-                or not (self.options.preload or self._node_auto) \
-                or not (self.restart_possible(0) or self.settings.fork_first_attempt):
+                or not (self.options.preload or self._node_auto
+                        or (self.options.auto and first_forked)) \
+                or not (self.restart_possible(0) or first_forked):
             return
         config = self._config_for(preview.argv, None, preview.envs)
         if config is not None and self.forks is not None:
