@@ -281,7 +281,7 @@ def cells(crash_after: float) -> list[Cell]:
         # auto's first run with the first attempt forked from a server with nothing
         # preloaded (ready while the round waits its last call): those workers record every
         # module they import, so auto learns torch._dynamo before the first restart
-        Cell("ours warm + preload auto, first attempt forked", "ours",
+        Cell("ours warm + preload auto + forked first attempt", "ours",
              ("--preload", "auto", "--fork-first-attempt"),
              crash_after=max(10.0, crash_after), etcd=True),
         Cell("torchrun standalone", "torchrun"),
