@@ -120,7 +120,8 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
         (root / "logs" / KEPT).write_bytes(kept_lists[cell.seed_from])
     argv = [*command(cell, ranks, crashes, root / "logs"), str(JOB), str(out),
             "--crashes", str(crashes),
-            *(["--crash-after", str(cell.crash_after)] if cell.crash_after else CRASH_AFTER),
+            *(["--crash-after", str(cell.crash_after)] if cell.crash_after is not None
+              else CRASH_AFTER),
             *(["--kill"] if kill else [])]
     env = launcher_env()
     with open(root / "err", "wb") as err:
@@ -264,8 +265,10 @@ def collect(cell: Cell, out: Path, ranks: int, crashes: int) -> int:
     return found
 
 
-def cells(crash_after: float) -> list[Cell]:
-    """The cells; auto's crash comes at ``--crash-after`` or 10 s, whichever is later."""
+def cells(crash_after: float, auto_crash_after: float | None = None) -> list[Cell]:
+    """The cells; auto's crash comes at ``--crash-after`` or 10 s, whichever is later
+    (``--auto-crash-after``: then, for its early crashes)."""
+    auto_after = max(10.0, crash_after) if auto_crash_after is None else auto_crash_after
     return [
         Cell("ours cold", "ours", ("--no-warm-restart",)),
         Cell("ours warm", "ours"),
@@ -273,7 +276,7 @@ def cells(crash_after: float) -> list[Cell]:
         # auto's standbys start 5.5 s after a launch (a warm worker records its imports
         # 1 and 5 s after it started), then import at idle priority: crashes come later
         Cell("ours warm + preload auto", "ours", ("--preload", "auto"),
-             crash_after=max(10.0, crash_after)),
+             crash_after=auto_after),
         # with the list the auto cell's run kept, the fork server imports it from the
         # supervisor's start, as for an explicit list: its crashes come at --crash-after
         Cell("ours warm + preload auto again", "ours", ("--preload", "auto"),
@@ -283,7 +286,7 @@ def cells(crash_after: float) -> list[Cell]:
         # module they import, so auto learns torch._dynamo before the first restart
         Cell("ours warm + preload auto + forked first attempt", "ours",
              ("--preload", "auto", "--fork-first-attempt"),
-             crash_after=max(10.0, crash_after), etcd=True),
+             crash_after=auto_after, etcd=True),
         Cell("torchrun standalone", "torchrun"),
         Cell("torchrun static", "torchrun"),
     ]
@@ -305,6 +308,9 @@ def main() -> int:
     ap.add_argument("--crash-after", type=float, default=5.0,
                     help="seconds of training before each crash; below a standby's import "
                          "time (~2.5 s) the crash comes while the standbys still import")
+    ap.add_argument("--auto-crash-after", type=float, default=None,
+                    help="seconds of training before each crash of the auto cells (default: "
+                         "--crash-after or 10, whichever is later)")
     ap.add_argument("--ours-runs", type=int, default=1,
                     help="runs of each of our cells (each crashes --reps times)")
     ap.add_argument("--stall", type=float, default=STALL[0],
@@ -316,7 +322,7 @@ def main() -> int:
     STALL[0] = a.stall
     with contextlib.ExitStack() as stack:
         if any(c.etcd and (not a.only or c.name in a.only.split(","))
-               for c in cells(a.crash_after)):
+               for c in cells(a.crash_after, a.auto_crash_after)):
             ETCD[0] = stack.enter_context(etcd_server(Path(tempfile.mkdtemp(prefix="rec-"))))
         results = run_cells(a)
     table(results)
@@ -340,7 +346,7 @@ def run_cells(a: argparse.Namespace) -> list[dict[str, object]]:
     for ranks in (int(r) for r in a.ranks.split(",")):
         for mode in a.crashes.split(","):
             kill = mode == "kill"
-            for cell in cells(a.crash_after):
+            for cell in cells(a.crash_after, a.auto_crash_after):
                 if a.only and cell.name not in a.only.split(","):
                     continue
                 started = time.monotonic()
