@@ -113,6 +113,7 @@ async def test_a_frozen_member_delays_no_event_and_its_stream_moves(
     assert delivered_after < 1.0, delivered_after
 
 
+@pytest.mark.xdist_group("load")  # a bound on when the quiet stream moves
 async def test_a_stream_behind_the_other_moves_and_requests_follow_the_news(
         factory: EtcdFactory) -> None:
     """A follower's stream goes silent (SIGSTOP) while no request of the client fails
@@ -141,9 +142,10 @@ async def test_a_stream_behind_the_other_moves_and_requests_follow_the_news(
                 written_at = time.monotonic()
                 with anyio.fail_after(5):
                     await watch.__anext__()
-                other = watch.endpoints[-1]
-                assert other != frozen.endpoint
-                assert client.preferred == other
+                # the member whose stream brought it: the other stream's, or (on a
+                # starved machine) the frozen stream's successor, if it moved first
+                assert client.preferred != frozen.endpoint
+                assert client.preferred in watch.endpoints
                 with anyio.fail_after(10):
                     await streams.wait_for(lambda on: len(on) == 2
                                            and frozen.endpoint not in on)

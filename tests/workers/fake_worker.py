@@ -61,8 +61,9 @@ def main() -> None:
     if args.grandchild:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
                                  start_new_session=args.grandchild_session)
-        with open(f"{args.grandchild}.{rank}", "w") as f:
-            f.write(str(child.pid))
+        for path in (f"{args.grandchild}.{rank}", f"{args.grandchild}.{rank}.a{restart}"):
+            with open(path, "w") as f:  # the latest, and this attempt's
+                f.write(str(child.pid))
     if args.long_line:
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # before ready: no race
     failing = args.fail_rank is None or args.fail_rank == rank
