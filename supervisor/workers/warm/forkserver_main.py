@@ -392,8 +392,8 @@ def _collapse() -> int:
         last = end // HUGE_PAGE * HUGE_PAGE
         if last > first and madvise(first, last - first, MADV_COLLAPSE) != 0:
             # one 2 MiB range that failed (EAGAIN: a page briefly pinned or not yet on an
-            # LRU list, common on a busy machine) fails the call, whatever the others did:
-            # go over the region again range by range, so only that range is left out
+            # LRU list) fails the call, whatever the others did: go over the region again
+            # range by range, so only such a range is left out
             for page in range(first, last, HUGE_PAGE):
                 madvise(page, HUGE_PAGE, MADV_COLLAPSE)
     return _anon_huge_mib()
