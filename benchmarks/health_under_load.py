@@ -8,6 +8,9 @@ and the group restarts; its replacement records when it came up. Two runs:
 2. loaded: the same, while ``/healthz`` gets ``--rate`` requests/s (open loop, see
    health_load.py) -> HTTP p50/p99/errors and the restart latency under load.
 
+Each run also reports the machine's CPU busy share over its window (all cores: workers,
+supervisor and load client together), to tell a saturated machine from a latency tail.
+
 Targets (issue 5): p99 <= 10 ms, 0 errors, loaded restart latency within 1.5x unloaded.
 torchrun has no health server (its health check is a stub), so there is no torchrun
 column here. The load client runs on the same 2 cores as the supervisor and its workers.
