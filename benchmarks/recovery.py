@@ -321,9 +321,9 @@ def main() -> int:
     CRASH_AFTER[1] = str(a.crash_after)
     STALL[0] = a.stall
     with contextlib.ExitStack() as stack:
-        if any(c.etcd and (not a.only or c.name in a.only.split(","))
-               for c in cells(a.crash_after, a.auto_crash_after)):
-            ETCD[0] = stack.enter_context(etcd_server(Path(tempfile.mkdtemp(prefix="rec-"))))
+        if any(cell.etcd for cell in selected(a)):
+            data = stack.enter_context(tempfile.TemporaryDirectory(prefix="recovery-etcd-"))
+            ETCD[0] = stack.enter_context(etcd_server(Path(data)))
         results = run_cells(a)
     table(results)
     ratios(results)
@@ -340,15 +340,20 @@ def main() -> int:
     return 0
 
 
+def selected(a: argparse.Namespace) -> list[Cell]:
+    """Fresh cells (no figures yet), those ``--only`` names if it is given."""
+    only = set(a.only.split(",")) if a.only else None
+    return [cell for cell in cells(a.crash_after, a.auto_crash_after)
+            if only is None or cell.name in only]
+
+
 def run_cells(a: argparse.Namespace) -> list[dict[str, object]]:
     """Every selected cell, for each rank count and kind of crash; a row per cell."""
     results = []
     for ranks in (int(r) for r in a.ranks.split(",")):
         for mode in a.crashes.split(","):
             kill = mode == "kill"
-            for cell in cells(a.crash_after, a.auto_crash_after):
-                if a.only and cell.name not in a.only.split(","):
-                    continue
+            for cell in selected(a):
                 started = time.monotonic()
                 if cell.kind == "ours":
                     for _ in range(a.ours_runs):

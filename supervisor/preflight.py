@@ -174,6 +174,7 @@ def make_log_root(settings: Settings) -> Path:
         message = f"log_dir: cannot create a directory in {tempfile.gettempdir()}: {_reason(exc)}"
         raise ConfigError(message + " (set --log-dir or TMPDIR)") from None
 
+
 def forget_log_root(settings: Settings, log_root: Path, run_id: str) -> None:
     """A start that failed before the run began leaves no directory of its own behind: the
     fresh one ``make_log_root`` made (no ``--log-dir``) is removed when it holds nothing

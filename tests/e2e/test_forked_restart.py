@@ -16,20 +16,12 @@ import pytest
 
 from tests.support.daemon import supervisor
 from tests.support.etcd import EtcdMember
+from tests.support.eventlog import read_events, warm_ranks
 from tests.support.paths import FAKE_WORKER, WORKERS
 from tests.support.processes import pid_alive
 
 PROBE = str(WORKERS / "probe_main.py")
 BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug"]
-
-
-def events(log_dir: Path, run_id: str = "none") -> list[dict[str, object]]:
-    path = log_dir / run_id / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def warm_ranks(log_dir: Path, run_id: str = "none") -> list[object]:
-    return [e.get("warm") for e in events(log_dir, run_id) if e["event"] == "group_started"]
 
 
 def get(url: str) -> str:
@@ -99,7 +91,7 @@ async def test_a_dead_fork_server_means_cold_starts_and_a_new_server(tmp_path: P
         sup.signal(signal.SIGTERM)
         assert await sup.wait() == 128 + signal.SIGTERM  # not a job failure
     assert warm_ranks(logs) == [None, [0]]
-    restarts = [e for e in events(logs) if e["event"] == "group_started"]
+    restarts = read_events(logs / "none" / "events.jsonl", "group_started")
     assert len(restarts) == 2  # the server's death used none of the restart budget
 
 
@@ -125,7 +117,7 @@ async def test_a_server_found_unusable_at_a_fork_is_replaced_at_once(tmp_path: P
         sup.signal(signal.SIGTERM)
         assert await sup.wait() == 128 + signal.SIGTERM  # not a job failure
     assert not pid_alive(server)
-    restarts = [e for e in events(logs) if e["event"] == "group_started"]
+    restarts = read_events(logs / "none" / "events.jsonl", "group_started")
     assert len(restarts) == 2  # the server's failure used none of the restart budget
 
 

@@ -6,7 +6,6 @@ opens it, so the server is importing for exactly as long as the test wants."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -15,16 +14,12 @@ import anyio
 import anyio.to_thread
 
 from tests.support.daemon import supervisor
+from tests.support.eventlog import warm_ranks
 from tests.support.paths import FAKE_WORKER, WORKERS
 
 BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug",
         "--max-restarts", "1"]
 WAITING = r"waiting for the fork server \(importing for [\d.]+ s\) rather than starting cold"
-
-
-def warm_ranks(log_dir: Path) -> list[object]:
-    lines = (log_dir / "none" / "events.jsonl").read_text().splitlines()
-    return [e.get("warm") for e in map(json.loads, lines) if e["event"] == "group_started"]
 
 
 def gated(tmp_path: Path) -> tuple[dict[str, str], Path, Path]:

@@ -24,6 +24,7 @@ import pytest
 from supervisor.core.envs import PER_ATTEMPT_ENV
 from supervisor.workers.warm.standby import env_mismatch, standby_env
 from tests.support.daemon import supervisor
+from tests.support.eventlog import warm_ranks
 from tests.support.paths import FAKE_WORKER, TESTS, WORKERS
 
 PROBE = str(TESTS / "workers" / "probe_main.py")
@@ -38,15 +39,6 @@ __attribute__((constructor)) static void probe(void) {
     if (lr) setenv("PRELOAD_SEEN", lr, 0);
 }
 '''
-
-
-def events(log_dir: Path) -> list[dict[str, object]]:
-    path = log_dir / "none" / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def warm_ranks(log_dir: Path) -> list[object]:
-    return [e.get("warm") for e in events(log_dir) if e["event"] == "group_started"]
 
 
 def start_up_env(tmp_path: Path) -> dict[str, str]:

@@ -16,6 +16,7 @@ import anyio
 import pytest
 
 from tests.support.daemon import supervisor
+from tests.support.eventlog import read_events, warm_ranks
 from tests.support.paths import FAKE_WORKER, TESTS, WORKERS
 from tests.support.processes import pid_alive, wait_dead
 
@@ -24,15 +25,6 @@ BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug"]
 STANDBY_LINE = r"standby for local rank (\d) started as pid (\d+)"
 # differ between any two attempts, cold or warm
 PER_ATTEMPT_ENV = {"TORCHELASTIC_RESTART_COUNT", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE"}
-
-
-def events(log_dir: Path) -> list[dict[str, object]]:
-    path = log_dir / "none" / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def warm_ranks(log_dir: Path) -> list[object]:
-    return [e.get("warm") for e in events(log_dir) if e["event"] == "group_started"]
 
 
 def load(out: Path, restart: int, rank: int) -> dict[str, object]:
@@ -92,7 +84,7 @@ async def test_warm_traceback_and_error_file_match_a_cold_start(tmp_path: Path) 
                   for i in range(2))
     assert "ValueError: probe failure on rank 0" in cold
     assert warm == cold  # same frames, none of the standby's own
-    exits = [e["exit_code"] for e in events(logs) if e["event"] == "worker_exited"]
+    exits = [e["exit_code"] for e in read_events(logs / "none" / "events.jsonl", "worker_exited")]
     assert exits == [1, 1]
 
 

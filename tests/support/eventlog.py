@@ -23,3 +23,10 @@ def read_events(path: Path, kind: str | None = None) -> list[dict[str, Any]]:
         if kind is None or record.get("event") == kind:
             found.append(record)
     return found
+
+
+def warm_ranks(log_dir: Path, run_id: str = "none") -> list[Any]:
+    """Per attempt (``group_started``, in order), the local ranks that started warm (None:
+    every rank started cold), from ``LOG_DIR/RUN_ID/events.jsonl``."""
+    return [e.get("warm") for e in read_events(log_dir / run_id / "events.jsonl",
+                                               "group_started")]

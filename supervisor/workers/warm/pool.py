@@ -283,7 +283,8 @@ class WarmPool:
 
     def _to_keep(self) -> tuple[Path, list[str], set[str]] | None:
         """``autopreload.keep``'s arguments: the run directory, the node's auto list and the
-        packages found tainted, for the next run; None when there is nothing new."""
+        packages found tainted, for the next run; None when there is nothing new since the
+        last call (which notes what it returns as kept)."""
         assert self.forks is not None
         kept = (list(self._node_auto or ()), self.auto_excluded | self.forks.excluded)
         if self._run_dir is None or kept == self._kept or not kept[0]:
@@ -310,10 +311,10 @@ class WarmPool:
         preloaded: the first attempt's forked workers then record every module they import
         (a cold one shows only its shared libraries), so the first restart gets them all."""
         first_forked = self.settings.fork_first_attempt
-        if preview is None or not self.forking \
-                or not (self.options.preload or self._node_auto
-                        or (self.options.auto and first_forked)) \
-                or not (self.restart_possible(0) or first_forked):
+        has_list = bool(self.options.preload or self._node_auto)
+        worth_it = has_list or (self.options.auto and first_forked)
+        needed = self.restart_possible(0) or first_forked
+        if preview is None or not self.forking or not worth_it or not needed:
             return
         config = self._config_for(preview.argv, None, preview.envs)
         if config is not None and self.forks is not None:
