@@ -46,7 +46,9 @@ they get. At the end the harness checks, and counts a violation for each failure
   marker (``CHAOS_RUN=<token>`` in its environment, inherited by every worker and
   descendant) is left;
 - foreign processes alive, never stopped, never signalled;
-- the supervisor's fds and threads back to within a small bound of the start, and RSS too;
+- the supervisor's fds and threads back to within a small bound of the start, and RSS too
+  (connections to etcd members bounded apart: streams and pooled connections move between
+  members with the outages), and no connection its peer closed left open;
 - after a ``frozen`` fault, no ``deadline_expired`` for the frozen group's ``loop`` scope
   and a logged stall; after a ``diskfull`` fault, the lost-output marker in the rank's log;
 - every attempt's log directory exists with every rank's files.

@@ -17,6 +17,7 @@ import psutil
 
 from benchmarks.chaos_rig import (
     DESTRUCTIVE,
+    ETCD_POOL_BOUND_PER_MEMBER,
     FD_BOUND,
     FD_SETTLE,
     LOST_MARKER,
@@ -26,12 +27,14 @@ from benchmarks.chaos_rig import (
     Fault,
     Rig,
     Usage,
-    log,
+    etcd_connections,
+    fd_change,
     marked_processes,
     metric,
     metric_samples,
     proc_state,
 )
+from benchmarks.harness import log
 
 
 class Checks:
@@ -138,20 +141,38 @@ class Checks:
         with anyio.move_on_after(FD_SETTLE):
             while True:
                 self.rig.usage_end = Usage.of(self.rig.pid, self.rig.worker_pids())
-                if self.rig.usage_end.fds <= start.fds + FD_BOUND:
+                if not self.fd_problems(start, self.rig.usage_end):
                     break
                 await anyio.sleep(0.1)  # pacing
         end = self.rig.usage_end
         assert end is not None
-        log(f"at the end: {end}")
-        if end.fds > start.fds + FD_BOUND:
-            self.rig.violate(f"fds {start.fds} -> {end.fds}")
+        log(f"at the end: {end}; fds opened and closed since the baseline: "
+            f"{fd_change(start, end) or 'none'}")
+        for problem in self.fd_problems(start, end):
+            self.rig.violate(problem)
         if end.threads > start.threads + THREAD_BOUND:
             self.rig.violate(f"threads {start.threads} -> {end.threads}")
         if end.rss_mb > start.rss_mb + RSS_BOUND_MB:
             self.rig.violate(f"RSS {start.rss_mb:.1f} -> {end.rss_mb:.1f} MB")
         if end.children != start.children:
             self.rig.violate(f"children {start.children} -> {end.children}")
+
+    def fd_problems(self, start: Usage, end: Usage) -> list[str]:
+        """The fds back within FD_BOUND of the start, connections to etcd members within
+        ETCD_POOL_BOUND_PER_MEMBER per member (``chaos_rig``), and no connection half
+        closed by its peer."""
+        members = self.rig.etcd_members()
+        pooled = etcd_connections(start, members), etcd_connections(end, members)
+        out = []
+        if end.fds - pooled[1] > start.fds - pooled[0] + FD_BOUND:
+            out.append(f"fds {start.fds} -> {end.fds}, {pooled[0]} -> {pooled[1]} of them to "
+                       f"etcd ({fd_change(start, end)})")
+        if pooled[1] > pooled[0] + ETCD_POOL_BOUND_PER_MEMBER * len(members):
+            out.append(f"connections to etcd {pooled[0]} -> {pooled[1]} "
+                       f"({fd_change(start, end)})")
+        if half_closed := [kind for kind in end.fd_kinds if kind.endswith(" CLOSE_WAIT")]:
+            out.append(f"connections closed by their peer and kept open: {half_closed}")
+        return out
 
     async def check_orphans(self) -> None:
         found: list[int] = []
