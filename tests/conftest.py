@@ -25,6 +25,10 @@ from tests.support.watchdog import Freezer
 # supervisor's start instead of 0.35 s); pytest's rewritten test modules are cached too.
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+# No test needs the system's CA certificates (the TLS tests bring their own CA), and
+# loading them cost every supervisor start ~50 ms of CPU: aiohttp builds its default SSL
+# context when it is imported. Processes the suite starts get an empty bundle instead.
+os.environ["SSL_CERT_FILE"] = os.devnull
 
 # tests/<layer>/... gets the marker <layer>: `-m unit` runs what `tests/unit` holds
 LAYERS = {
