@@ -198,40 +198,6 @@ async def test_auto_with_a_forked_first_attempt_learns_everything_for_the_first_
     assert "psutil" in first and "iniconfig" in first
 
 
-@pytest.mark.etcd
-async def test_auto_learns_at_a_crash_before_it_settled_and_the_restart_waits_for_it(
-        tmp_path: Path, server: EtcdMember) -> None:
-    """A crash loop faster than ``--preload auto``'s settle time (5.5 s): the first attempt
-    (forked from a server with nothing preloaded) fails 1-2 s after its launch, once its
-    worker has written its first record. The supervisor learns from that record at the
-    failure, and the restart waits for the server that imports it instead of starting
-    cold: the second attempt runs warm with the modules the first one imported."""
-    out = tmp_path / "out"
-    out.mkdir()
-    logs = tmp_path / "logs"
-    args = [*BASE, "--max-restarts", "2", "--log-dir", str(logs), "--preload", "auto",
-            "--fork-first-attempt", "--nnodes", "1:2", "--rdzv-backend", "etcd",
-            "--rdzv-endpoint", server.endpoint, "--rdzv-id", "auto-early",
-            "--rdzv-conf", "last_call_timeout=1",
-            str(WORKERS / "auto_refine_job.py"), str(out)]
-    record = logs / "auto-early" / "attempt_0" / "0" / "imported_modules.txt"
-    async with supervisor(args) as sup:
-        await sup.err.expect(r"fork server \(pid \d+\) ready: preloaded nothing", timeout=60)
-        with anyio.fail_after(60):
-            while not record.exists():  # the worker's first record, 1 s after its start
-                await anyio.sleep(0.05)  # pacing: a file another process writes
-        (out / "go0").touch()  # the crash, before auto has settled
-        await sup.err.expect(r"fork server \(pid \d+\) ready: preloaded auto", timeout=60)
-        with anyio.fail_after(60):
-            while not (out / "r1_0.json").exists():  # the second attempt runs
-                await anyio.sleep(0.05)  # pacing: a file another process writes
-        (out / "go1").touch()
-        assert await sup.wait() == 0
-    assert warm_ranks(logs, "auto-early")[:2] == [[0], [0]]
-    second = json.loads((out / "r1_0.json").read_text())["modules_at_start"]
-    assert "psutil" in second and "iniconfig" in second
-
-
 async def test_auto_learns_once_per_node_and_a_second_server_preloads_it(
         tmp_path: Path) -> None:
     out = tmp_path / "out"

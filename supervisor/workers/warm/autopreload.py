@@ -2,8 +2,8 @@
 
 The rule (docs/design.md, "standby"):
 
-- A warm worker (one that runs in a standby) records the modules it has imported, 1, 2,
-  3, 5, 20 and 60 s after it started, in ``attempt_K/LOCAL_RANK/imported_modules.txt`` (one
+- A warm worker (one that runs in a standby) records the modules it has imported, 1, 5,
+  20 and 60 s after it started, in ``attempt_K/LOCAL_RANK/imported_modules.txt`` (one
   name per line, in import order), leaving out every module whose file lies under the
   script's directory or the working directory. A worker killed by SIGKILL has written its
   last record by then; nothing is recorded at exit.

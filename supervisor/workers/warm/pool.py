@@ -55,7 +55,7 @@ logger = logging.getLogger(__name__)
 TAINT_RETRIES = 3  # new standbys per rank after auto preloads that read a per-attempt variable
 STORE_WAIT = 5.0  # seconds a warm rank waits for rank 0's store before it dials anyway
 STAGGER = 0.03  # s at most between two standbys' starts (see ``WarmPool._start``)
-AUTO_SETTLE = 5.5  # s after a launch: a warm worker has recorded its imports at 1-3 and 5 s
+AUTO_SETTLE = 5.5  # s after a launch: a warm worker has recorded its imports at 1 and 5 s
 # s a restart waits for a fork server still importing when this node has not yet seen what
 # a cold start costs (no progress shown): a preload that hangs delays one restart by this
 UNKNOWN_COLD_WAIT = 60.0
@@ -156,7 +156,6 @@ class WarmPool:
         # launch -> every rank's first progress of this node's last cold attempt
         self.cold_startup: float | None = None
         self._waited_for: int | None = None  # the importing server a restart waited for
-        self._learning: anyio.Event | None = None  # set once a learning at a failure is done
         progress.listeners.append(self._on_progress)
         self._preview: Preview | None = None  # the first attempt's ranks (``warm_up``)
         self._previewed = anyio.Event()
@@ -253,24 +252,12 @@ class WarmPool:
     async def _learn_auto(self, attempt: Attempt) -> None:
         """``--preload auto`` learns for the node from the first attempt's workers (and
         once more from the first warm attempt's, ``_refine_auto``); a new server imports
-        the list, then the standbys are forked again from it. It learns AUTO_SETTLE s after
-        the launch, or at once when a worker fails before that: a crash loop faster than
-        AUTO_SETTLE learns from what the workers recorded (or mapped) so far, and the
-        next attempt waits for the server that imports it when that is sooner than a
-        cold start (``settle``)."""
+        the list, then the standbys are forked again from it."""
         assert self.forks is not None
-        await _settled_or_exited(attempt, time.monotonic() + AUTO_SETTLE)
-        if _running(attempt):
-            await self._learn_from(attempt)
-        elif attempt.failures:  # before it settled: the restart waits for this (``settle``)
-            self._learning = learning = anyio.Event()
-            try:
-                await self._learn_from(attempt)
-            finally:
-                learning.set()
-
-    async def _learn_from(self, attempt: Attempt) -> None:
-        assert self.forks is not None
+        launched = time.monotonic()
+        await anyio.sleep(max(0.0, launched + AUTO_SETTLE - time.monotonic()))
+        if not _running(attempt):
+            return
         learned = await anyio.to_thread.run_sync(self._node_names, attempt)
         self._learned_first = True
         names = list(dict.fromkeys([*(self._node_auto or ()), *learned]))
@@ -278,8 +265,6 @@ class WarmPool:
             self._node_auto = names
             return  # nothing new: the server there is the one to keep
         self._node_auto = names
-        if not _running(attempt):  # the restart's ranks wait for the new server instead
-            self._discard_forked()
         kept = self._to_keep()
         if kept is not None:
             await anyio.to_thread.run_sync(autopreload.keep, *kept)
@@ -287,18 +272,14 @@ class WarmPool:
         if config is None or not await self.forks.prepare(config):
             return
         server = self.forks.server
-        self._discard_forked(keep=server.pid if server is not None else None)
-        if self._attempt is attempt and _running(attempt):
-            await self._start(self._plan(attempt))
-
-    def _discard_forked(self, keep: int | None = None) -> None:
-        """Discard the standbys forked before the list was learned (from a server other
-        than ``keep``): they are forked again from the server that imports it."""
-        stale = [r for r in self._forked if keep is None or self._forked_from.get(r) != keep]
-        for rank in stale:
+        stale = [r for r in self._forked if server is None
+                 or self._forked_from.get(r) != server.pid]
+        for rank in stale:  # forked before the list was learned: fork them again
             standby = self.standbys.pop(rank, None)
             if standby is not None:
                 self._discard(standby)
+        if self._attempt is attempt and _running(attempt):
+            await self._start(self._plan(attempt))
 
     def _to_keep(self) -> tuple[Path, list[str], set[str]] | None:
         """``autopreload.keep``'s arguments: the run directory, the node's auto list and the
@@ -312,14 +293,12 @@ class WarmPool:
         return self._run_dir, *kept
 
     def _node_names(self, attempt: Attempt) -> list[str]:
-        """What the first attempt's workers imported, in order, every rank's (a thread):
-        a warm worker's record, else the packages a worker not yet reaped has mapped (a
-        reaped worker's pid may be another process's by now)."""
+        """What the first attempt's workers imported, in order, every rank's (a thread)."""
         found: dict[str, None] = {}
         for worker in attempt.workers:
             rank_dir = attempt.directory / str(worker.local_rank)
             names = autopreload.read_record(rank_dir) if worker.start.warm else []
-            if not names and not worker.reaped:
+            if not names and not worker.reaped:  # a reaped worker's pid may be another's now
                 names = autopreload.mapped_packages(worker.pid)
             found.update(dict.fromkeys(names))
         logger.debug("--preload auto learned %d module(s) for the node: %s", len(found),
@@ -366,8 +345,6 @@ class WarmPool:
         ranks start cold, the import going on for the next restart. One server is waited
         for once: a preload that hangs delays one restart, not every one."""
         attempt = self._attempt
-        if self._learning is not None and not self._learning.is_set():
-            await self._wait_for_learning()
         if attempt is None or self.forks is None or not self.forking or not attempt.workers \
                 or all(w.local_rank in self.standbys for w in attempt.workers):
             return
@@ -391,19 +368,6 @@ class WarmPool:
                 logger.info("the fork server is not ready: the ranks start cold")
                 return
         await self._start(self._plan(attempt))
-
-    async def _wait_for_learning(self) -> None:
-        """A failure before ``auto`` settled had a server import what the workers
-        recorded so far: wait for it as for any server still importing (at most a cold
-        start's time), once."""
-        assert self._learning is not None and self.forks is not None
-        limit = self.cold_startup
-        logger.info("waiting for the fork server importing what --preload auto learned "
-                    "at the failure rather than starting cold%s",
-                    "" if limit is None else f" (at most {limit:.1f} s, a cold start)")
-        with anyio.move_on_after(UNKNOWN_COLD_WAIT if limit is None else limit):
-            await self._learning.wait()
-        self._waited_for = self.forks.pending_pid()  # one wait per server
 
     async def _stand_by_first(self) -> None:
         """Fork a standby per rank as soon as the fork server that ``warm_up`` asked for is
@@ -824,20 +788,6 @@ class WarmPool:
             if kept is not None:
                 autopreload.keep(*kept)
             self.forks.close()
-
-
-async def _settled_or_exited(attempt: Attempt, until: float) -> None:
-    """Return at ``until`` (monotonic), or as soon as a worker of ``attempt`` exits."""
-    with anyio.move_on_after(max(0.0, until - time.monotonic())):
-        async with anyio.create_task_group() as tg:
-            async def first_exit(worker: Worker) -> None:
-                await worker.exited.wait()
-                tg.cancel_scope.cancel()
-
-            for worker in attempt.workers:
-                tg.start_soon(first_exit, worker)
-            if not attempt.workers:
-                await anyio.sleep_forever()
 
 
 def _running(attempt: Attempt) -> bool:

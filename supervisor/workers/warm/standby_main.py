@@ -238,7 +238,7 @@ def _standby() -> None:
         def _record(out: str, skip: str) -> None:
             wait = _thread.allocate_lock()
             wait.acquire()
-            for delay in (1, 1, 1, 2, 15, 40):  # at 1, 2, 3, 5, 20 and 60 s
+            for delay in (1, 4, 15, 40):
                 wait.acquire(timeout=delay)
                 names = []
                 for name, module in list(sys.modules.items()):
