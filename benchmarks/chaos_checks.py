@@ -158,9 +158,10 @@ class Checks:
             self.rig.violate(f"children {start.children} -> {end.children}")
 
     def fd_problems(self, start: Usage, end: Usage) -> list[str]:
-        """The fds back within FD_BOUND of the start, connections to etcd members within
-        ETCD_POOL_BOUND_PER_MEMBER per member (``chaos_rig``), and no connection half
-        closed by its peer."""
+        """What is wrong with the fds at ``end`` (empty: nothing): more than FD_BOUND over
+        the start besides connections to etcd members, more than ETCD_POOL_BOUND_PER_MEMBER
+        over the start per member to those (``chaos_rig``), or a connection its peer
+        closed still open."""
         members = self.rig.etcd_members()
         pooled = etcd_connections(start, members), etcd_connections(end, members)
         out = []

@@ -10,6 +10,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -200,16 +201,17 @@ class Usage:
 
 
 def fd_kinds(proc: psutil.Process) -> list[str]:
-    """One line per open fd: a TCP socket's peer (or address, listening) and state, else
+    """One line per open fd: an inet socket's peer (or address, unconnected) and state, else
     the link's target (without what differs from one moment to the next: pipe and socket
     inodes, attempt numbers)."""
     inet = {}
     with contextlib.suppress(psutil.Error):
         for c in proc.net_connections(kind="inet"):
+            proto = "tcp" if c.type == socket.SOCK_STREAM else "udp"
             if c.raddr:
-                inet[c.fd] = f"tcp to {c.raddr.ip}:{c.raddr.port} {c.status}"
+                inet[c.fd] = f"{proto} to {c.raddr.ip}:{c.raddr.port} {c.status}"
             else:
-                inet[c.fd] = f"tcp on {c.laddr.ip}:{c.laddr.port} {c.status}"
+                inet[c.fd] = f"{proto} on {c.laddr.ip}:{c.laddr.port} {c.status}"
     out = []
     for fd in os.listdir(f"/proc/{proc.pid}/fd"):
         with contextlib.suppress(OSError):
