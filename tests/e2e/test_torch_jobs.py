@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from tests.support import deps
 from tests.support.daemon import supervisor
+from tests.support.eventlog import warm_ranks
 from tests.support.torchref import FINAL, STEPS, TRAIN, torchrun_final_loss
 
 deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
@@ -151,7 +151,5 @@ async def test_preloaded_restart_resumes_to_torchruns_loss(tmp_path: Path,
         await sup.out.expect(r"starting at step 20 \(restart 1\)", timeout=120)
         loss = (await sup.out.expect(FINAL, timeout=240)).group(1)
         assert await sup.wait() == 0
-    events = (logs / "none" / "events.jsonl").read_text().splitlines()
-    warm = [json.loads(e).get("warm") for e in events if '"group_started"' in e]
-    assert warm == [None, [0, 1]]  # the restart ran in the preloaded standbys
+    assert warm_ranks(logs) == [None, [0, 1]]  # the restart ran in the preloaded standbys
     assert loss == torchrun_loss
