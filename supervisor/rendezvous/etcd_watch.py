@@ -20,12 +20,15 @@ blind"):
   ~15 ms) instead of accepting a watch it will never feed.
 - **Each stream checks its member.** Every ``check_interval`` (the client's request
   timeout) without a message, a stream looks at what the client learnt about its member:
-  when the latest request to it failed, or the other stream delivered a revision this one
-  never brought (``LAG`` s or more ago), the stream moves; the first stream also follows
+  when the latest request to it failed, the stream moves; the first stream also follows
   the requests (when they moved to a member no stream is on). When nothing reached its
   member for two intervals, it asks the member itself (``EtcdClient.probe``: a
   linearizable read, which needs the member's leader and quorum). A member that does not
   answer in time is left.
+- **A stream behind the other is checked sooner.** When the other stream brings a
+  revision this one has not, this one gets ``LAG`` s (not the rest of its interval) to
+  bring it too, as a healthy member does within milliseconds; still behind and silent
+  then, it moves. This does not wait for the watch's reader to take the news.
 - **Requests follow the news.** The member whose stream brought a revision first becomes
   the client's preferred one: the request the news prompts (a campaign, a new round)
   does not first wait out the hedge on a member that went quiet. When the first
@@ -89,6 +92,7 @@ STREAMS = 2  # streams per watch, on as many members (fewer endpoints: one per e
 BACKLOG = 64  # batches read but not yet delivered; a stream that is this far ahead waits
 # seconds after the watch delivered a revision by which a healthy stream has brought it too
 LAG = 0.5
+CLOCK_SLACK = 0.001  # a timer may fire this much before its deadline
 
 LiveHook = Callable[[bool], None]  # a stream opened or closed: is the watch live now?
 # what a stream hands to the watch's reader: (its member, a batch), or its error
@@ -124,9 +128,12 @@ class Watch:
         count = min(STREAMS, len(client.endpoints))
         self._streams = [WatchStream(client, key_range, self.check_interval)
                          for _ in range(count)]
-        # per stream: the newest revision it handed over (or resumed after)
+        # per stream: the newest revision it handed over (or resumed after), since when
+        # another stream has brought a newer one (None: it is not behind), and the scope
+        # of the read it waits in (None: it is not reading)
         self._brought = [start_revision - 1] * count
-        self._news_at = 0.0  # when the watch last delivered (monotonic)
+        self._behind_since: list[float | None] = [None] * count
+        self._reads: list[anyio.CancelScope | None] = [None] * count
         # made on entry: an unclosed memory stream warns when collected
         self._send: MemoryObjectSendStream[_Item] | None = None
         self._receive: MemoryObjectReceiveStream[_Item] | None = None
@@ -183,7 +190,6 @@ class Watch:
             if not fresh:
                 self._caught_up(member)
             else:
-                self._news_at = time.monotonic()
                 self._first_with_news(member)
                 stats.watch_events += len(fresh)
                 stats.watch_bytes += sum(len(ev.kv.value) for ev in fresh)
@@ -252,19 +258,48 @@ class Watch:
             await self._send.send(exc)
 
     async def _pump(self, slot: int) -> None:
-        """Hand over each message's events; check the member every quiet interval."""
+        """Hand over each message's events; check the member every quiet interval, or
+        ``LAG`` s after the other stream brought what this one has not."""
         stream = self._streams[slot]
         while True:
             events: list[WatchEvent] | None = None
-            with anyio.move_on_after(self.check_interval):
+            with anyio.CancelScope(deadline=self._read_deadline(slot)) as scope:
+                self._reads[slot] = scope
                 events = await stream.read()
+            self._reads[slot] = None
             if events is None:
                 self._check_outage()
                 await self._check_member(slot)
             elif events:
                 assert self._send is not None
                 self._brought[slot] = max(self._brought[slot], events[-1].kv.mod_revision)
+                self._note_behind()
                 await self._send.send((stream.endpoint, events))
+
+    def _read_deadline(self, slot: int) -> float:
+        """When a read of stream ``slot`` gives up: after the quiet interval, or when it
+        has been behind the other stream for ``LAG`` s (a read that starts that late
+        still gets ``LAG`` s, so what its member already sent is read before a check)."""
+        now = anyio.current_time()
+        deadline = now + self.check_interval
+        since = self._behind_since[slot]
+        if since is not None:
+            due = since + LAG
+            deadline = min(deadline, due if due > now else now + LAG)
+        return deadline
+
+    def _note_behind(self) -> None:
+        """After a stream brought a revision (or resumed): note which streams are behind
+        now, and cut a newly behind stream's read short (``_read_deadline``)."""
+        newest, now = max(self._brought), anyio.current_time()
+        for other, brought in enumerate(self._brought):
+            if brought >= newest:
+                self._behind_since[other] = None
+            elif self._behind_since[other] is None:
+                self._behind_since[other] = now
+                read = self._reads[other]
+                if read is not None:
+                    read.deadline = min(read.deadline, now + LAG)
 
     def _changed(self) -> None:
         if self._on_live is not None:
@@ -295,11 +330,12 @@ class Watch:
             raise _Quiet(f"requests moved to {preferred}")
         if health.failing:
             raise _Quiet("its latest request failed")
-        # the other stream delivered news this one never brought in a whole quiet interval
-        # (a healthy member streams a revision within milliseconds of another)
-        behind = self.next_revision - 1
-        if self._brought[slot] < behind and time.monotonic() - self._news_at > LAG:
-            raise _Quiet(f"another member delivered revision {behind}, it did not")
+        # the other stream brought news this one has not brought for LAG s (a healthy
+        # member streams a revision within milliseconds of another)
+        since = self._behind_since[slot]
+        if since is not None and anyio.current_time() - since >= LAG - CLOCK_SLACK:
+            raise _Quiet(f"another member delivered revision {max(self._brought)}, "
+                         f"it did not in {LAG:g}s")
         # the lease keepalive (every TTL/3) usually answers for the first stream's member:
         # probe only when nothing did for two intervals
         if time.monotonic() - health.last_ok > 2 * self.check_interval:
@@ -342,6 +378,7 @@ class Watch:
                 if slot == 0:
                     client._prefer(endpoint)
                 self._brought[slot] = self.next_revision - 1  # it resumes from there
+                self._note_behind()
                 self._changed()
                 return
             sibling = self._sibling(slot)
