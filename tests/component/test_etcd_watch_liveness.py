@@ -14,7 +14,7 @@ import anyio.lowlevel
 import pytest
 
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdUnavailable
-from supervisor.rendezvous.etcd_watch import LAG, Watch, open_prefix_view
+from supervisor.rendezvous.etcd_watch import BACKLOG, LAG, Watch, open_prefix_view
 from tests.support.etcd import (
     EtcdFactory,
     EtcdMember,
@@ -195,6 +195,29 @@ async def test_between_healthy_members_requests_return_to_the_first_streams_memb
                 assert client.preferred == first, n
             tg.cancel_scope.cancel()
     assert delivered == [f"/t/c/{n}" for n in range(6)], delivered
+
+
+async def test_a_reader_slower_than_the_writes_moves_no_stream(factory: EtcdFactory) -> None:
+    """A reader that takes its time while writes come faster (the backlog fills, and both
+    streams wait to hand over what they read) is not a member going quiet: a stream that
+    is behind its sibling only because it waited on the reader catches up as soon as it
+    reads again, so no stream moves, and every event comes once, in order."""
+    members = factory.cluster(3)
+    writes = BACKLOG + 30
+    async with EtcdClient([m.endpoint for m in members], timeout=1.0) as client, \
+            EtcdClient([members[1].endpoint], timeout=1.0, retry_window=10) as writer:
+        start = await writer.put("/t/s/000", "x")
+        async with client.watch("/t/s/", prefix=True, start_revision=start) as watch:
+            last = start
+            for n in range(1, writes):
+                last = await writer.put(f"/t/s/{n:03}", "x")
+            revisions: list[int] = []
+            with anyio.fail_after(60):
+                while not revisions or revisions[-1] < last:
+                    revisions.extend(ev.kv.mod_revision for ev in await watch.__anext__())
+                    await anyio.sleep(0.02)  # the slow reader: test data, not a wait
+            assert watch.moves == 0
+    assert revisions == list(range(start, last + 1)), revisions
 
 
 async def test_no_event_is_lost_or_repeated_while_a_stream_moves(factory: EtcdFactory) -> None:
