@@ -90,7 +90,8 @@ logger = logging.getLogger(__name__)
 
 STREAMS = 2  # streams per watch, on as many members (fewer endpoints: one per endpoint)
 BACKLOG = 64  # batches read but not yet delivered; a stream that is this far ahead waits
-# seconds after the watch delivered a revision by which a healthy stream has brought it too
+# seconds a silent stream may be behind the other before it leaves its member (a healthy
+# member streams a revision within milliseconds of another)
 LAG = 0.5
 CLOCK_SLACK = 0.001  # a timer may fire this much before its deadline
 
@@ -377,7 +378,8 @@ class Watch:
                     continue
                 if slot == 0:
                     client._prefer(endpoint)
-                self._brought[slot] = self.next_revision - 1  # it resumes from there
+                # it resumes from there; if that is behind the other, counted from now
+                self._brought[slot], self._behind_since[slot] = self.next_revision - 1, None
                 self._note_behind()
                 self._changed()
                 return
