@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import anyio
@@ -591,7 +592,7 @@ class Rig:
         """The etcd members' client addresses (``host:port``); none without ``--etcd``."""
         if self.etcd is None:
             return set()
-        return {m.endpoint.split("://")[-1] for m in self.etcd.members}
+        return {urlsplit(m.endpoint).netloc for m in self.etcd.members}
 
     def worker_pids(self) -> set[int]:
         return {pid for pid, _ in self.board.ready.get(self.board.restart, {}).values()}

@@ -201,10 +201,11 @@ async def test_between_healthy_members_requests_return_to_the_first_streams_memb
 
 
 async def test_a_reader_slower_than_the_writes_moves_no_stream(factory: EtcdFactory) -> None:
-    """A reader that takes its time while writes come faster (the backlog fills, and both
-    streams wait to hand over what they read) is not a member going quiet: a stream that
-    is behind its sibling only because it waited on the reader catches up as soon as it
-    reads again, so no stream moves, and every event comes once, in order."""
+    """A reader busy elsewhere during a burst of writes and for twice ``LAG`` after it (the
+    backlog fills, and both streams wait to hand over what they read) is not a member
+    going quiet: a stream that is behind its sibling only because it waited on the reader
+    catches up as soon as it reads again, so no stream moves, and every event comes once,
+    in order."""
     members = factory.cluster(3)
     writes = BACKLOG + 30
     async with EtcdClient([m.endpoint for m in members], timeout=1.0) as client, \
@@ -212,13 +213,15 @@ async def test_a_reader_slower_than_the_writes_moves_no_stream(factory: EtcdFact
         start = await writer.put("/t/s/000", "x")
         async with client.watch("/t/s/", prefix=True, start_revision=start) as watch:
             last = start
-            for n in range(1, writes):
+            for n in range(1, writes):  # the reader reads nothing meanwhile
                 last = await writer.put(f"/t/s/{n:03}", "x")
+            # the burst takes ~0.3 s here; the reader stays away longer than a stream may
+            # be behind (the case under test, not a wait for something to happen)
+            await anyio.sleep(2 * LAG)
             revisions: list[int] = []
             with anyio.fail_after(60):
                 while not revisions or revisions[-1] < last:
                     revisions.extend(ev.kv.mod_revision for ev in await watch.__anext__())
-                    await anyio.sleep(0.02)  # the slow reader: test data, not a wait
             assert watch.moves == 0
     assert revisions == list(range(start, last + 1)), revisions
 
