@@ -21,21 +21,21 @@ TRAIN = str(REPO / "examples" / "ddp_train.py")
 STEPS = ["--steps", "120", "--checkpoint-every", "20", "--batch", "32"]
 FINAL = r"final loss (\d+\.\d+) after 120 steps$"
 
-_KEPT: dict[int, str] = {}  # nproc -> final loss, for this process
+_KEPT: list[str] = []  # the final loss, once run in this process
 
 
-def torchrun_final_loss(tmp_path: Path, nproc: int = 2) -> str:
-    """The job's final loss (``STEPS``) under ``torchrun --nproc-per-node nproc``; run in
+def torchrun_final_loss(tmp_path: Path) -> str:
+    """The job's final loss (``STEPS``) under ``torchrun --nproc-per-node 2``; run in
     ``tmp_path`` the first time it is asked for in this process."""
-    if nproc not in _KEPT:
-        _KEPT[nproc] = _run(tmp_path, nproc)
-    return _KEPT[nproc]
+    if not _KEPT:
+        _KEPT.append(_run(tmp_path))
+    return _KEPT[0]
 
 
-def _run(tmp_path: Path, nproc: int) -> str:
+def _run(tmp_path: Path) -> str:
     torchrun = Path(sys.executable).parent / "torchrun"
     result = subprocess.run(
-        [str(torchrun), "--nproc-per-node", str(nproc), "--log-dir", str(tmp_path / "tr-logs"),
+        [str(torchrun), "--nproc-per-node", "2", "--log-dir", str(tmp_path / "tr-logs"),
          TRAIN, *STEPS, "--checkpoint-dir", str(tmp_path / "tr-ck")],
         capture_output=True, text=True, timeout=300,
     )
