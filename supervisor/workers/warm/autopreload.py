@@ -9,7 +9,9 @@ The rule (docs/design.md, "standby"):
   last record by then; nothing is recorded at exit.
 - A cold worker records nothing; for it the supervisor reads ``/proc/PID/maps`` once the
   rank has progressed and takes the top-level packages of the shared objects it mapped
-  from a ``site-packages``/``dist-packages`` directory (``torch`` for a torch job).
+  from a ``site-packages``/``dist-packages`` directory (``torch`` for a torch job), each
+  followed by the modules that package is known to import lazily, at their first use
+  (``LAZY_IMPORTS``: ``torch._dynamo`` after ``torch``), which no map can show.
 - The next standby of that rank imports those of the names whose top-level package
   belongs to an installed distribution (``importlib.metadata``), at idle priority, while
   every read of a per-attempt variable (``RANK``, ``MASTER_PORT``...) through
@@ -46,6 +48,11 @@ KEPT_NAME = "preload-auto.json"  # the node's list, kept in the run directory
 MAX_RECORD = 4 << 20  # bytes of a worker's record we read at most
 MAX_NAMES = 20_000
 _SITE_DIRS = ("site-packages", "dist-packages")
+# What a package imports lazily, at its first use, that a cold worker's maps cannot show
+# (pure Python). DDP's constructor, FSDP and torch.compile import torch._dynamo: 1.0-1.4 s
+# of a warm restart without it (docs/benchmarks.md). A torch job that never uses them
+# pays that import once per node, in the fork server at idle priority, and its memory.
+LAZY_IMPORTS: dict[str, tuple[str, ...]] = {"torch": ("torch._dynamo",)}
 
 
 def is_module_name(name: str) -> bool:
@@ -112,6 +119,16 @@ def _read_bounded(path: Path) -> bytes:
         except OSError:
             return b""
     return b"" if len(data) > MAX_RECORD else data
+
+
+def cold_worker_modules(pid: int) -> list[str]:
+    """What a cold worker shows that it uses: the packages of the shared objects it mapped,
+    each followed by what that package imports lazily (``LAZY_IMPORTS``)."""
+    return with_lazy_imports(mapped_packages(pid))
+
+
+def with_lazy_imports(packages: list[str]) -> list[str]:
+    return [name for top in packages for name in (top, *LAZY_IMPORTS.get(top, ()))]
 
 
 def mapped_packages(pid: int) -> list[str]:

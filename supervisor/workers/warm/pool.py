@@ -299,7 +299,7 @@ class WarmPool:
             rank_dir = attempt.directory / str(worker.local_rank)
             names = autopreload.read_record(rank_dir) if worker.start.warm else []
             if not names and not worker.reaped:  # a reaped worker's pid may be another's now
-                names = autopreload.mapped_packages(worker.pid)
+                names = autopreload.cold_worker_modules(worker.pid)
             found.update(dict.fromkeys(names))
         logger.debug("--preload auto learned %d module(s) for the node: %s", len(found),
                      ",".join(list(found)[:8]) + ("..." if len(found) > 8 else ""))
@@ -653,7 +653,7 @@ class WarmPool:
         names = autopreload.read_record(want.rank_dir) if want.warm else []
         source = "its record"
         if not names:
-            names, source = autopreload.mapped_packages(want.pid), "its mapped libraries"
+            names, source = autopreload.cold_worker_modules(want.pid), "its mapped libraries"
         if names:
             self.auto_names[want.rank] = names
             logger.debug("local rank %d: --preload auto learned %d module(s) from %s of "
