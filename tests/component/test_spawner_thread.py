@@ -10,6 +10,7 @@ shows the thread really exited (and that the test can fail).
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import threading
 
@@ -43,6 +44,12 @@ async def test_a_child_outlives_the_thread_that_asked_for_it() -> None:
     def short_lived() -> None:
         made["control"] = _cat(death)  # forked by this thread: dies with it
         made["spawned"] = spawner.call(_cat, death)  # forked by the spawner thread
+        # the death signal is set in the child after the fork (setpriv, then exec cat): a
+        # thread that exits before that delivers nothing, so exit once cat echoes a line
+        _, stdin, stdout = made["control"]
+        os.write(stdin, b"up\n")
+        ready, _, _ = select.select([stdout], [], [], 10)
+        assert ready and os.read(stdout, 64) == b"up\n"
 
     thread = threading.Thread(target=short_lived)
     thread.start()
