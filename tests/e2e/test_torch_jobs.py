@@ -103,6 +103,7 @@ async def test_two_nodes_over_etcd_train_like_one_group(tmp_path: Path, server: 
     """One rank on each of two nodes ends with the loss of torchrun's two ranks on one node.
     (How ranks are laid out over nodes of several local ranks each is checked without
     torch: tests/e2e/test_multinode.py, which also runs two ranks per node.)"""
+    losses: dict[int, list[str]] = {}  # node -> the final losses it printed
     async with anyio.create_task_group() as tg:
 
         async def node(n: int) -> None:
@@ -116,7 +117,6 @@ async def test_two_nodes_over_etcd_train_like_one_group(tmp_path: Path, server: 
                 losses[n] = [m.group(1) for line in sup.out.lines
                              if (m := re.search(FINAL, line))]
 
-        losses: dict[int, list[str]] = {}
         for n in range(2):
             tg.start_soon(node, n)
     # rank 0 prints the final loss, on whichever node it is
