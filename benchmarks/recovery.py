@@ -130,10 +130,16 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
     cpu = ForkCpu(root / "err") if "--preload" in cell.flags else None
     try:
         deadline = time.monotonic() + timeout
-        sampled = False
+        # the standbys are sampled every SAMPLE_EVERY s until the first crash, and the last
+        # complete sample counts: an auto run's first standbys come from a server with
+        # nothing preloaded, replaced once auto has learned (5.5 s after the launch)
+        sample: Sample | None = None
+        next_sample = 0.0
         while proc.poll() is None and time.monotonic() < deadline:
-            if not sampled and cpu is not None and (out / "a0_r0.json").exists():
-                sampled = sample_standbys(cell, proc.pid, ranks, out)
+            if (cpu is not None and time.monotonic() >= next_sample
+                    and (out / "a0_r0.json").exists() and not (out / "crash_0").exists()):
+                sample = sample_standbys(proc.pid, ranks) or sample
+                next_sample = time.monotonic() + SAMPLE_EVERY
             if cpu is not None:
                 cpu.poll()
             if stalled(out, ranks, crashes) or done(out, ranks, crashes):
@@ -143,6 +149,10 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
             cpu.poll(final=True)
     finally:
         stop(proc)
+    if sample is not None:
+        cell.server_rss += sample.server_rss
+        cell.standby_rss += sample.standby_rss
+        cell.standby_uss += sample.standby_uss
     found = collect(cell, out, ranks, crashes)
     with contextlib.suppress(OSError):
         kept_lists[cell.name] = (root / "logs" / KEPT).read_bytes()
@@ -203,10 +213,20 @@ def stalled(out: Path, ranks: int, crashes: int) -> bool:
     return time.time() - float((out / f"crash_{last}").read_text()) > STALL[0]
 
 
-def sample_standbys(cell: Cell, pid: int, ranks: int, out: Path) -> bool:
-    """RSS/USS of the preloaded standbys, once they are all there and done importing."""
-    if (out / "crash_0").exists():
-        return True  # too late for this run
+SAMPLE_EVERY = 2.0  # s between two samples of the standbys' memory
+
+
+@dataclass
+class Sample:
+    """The memory of one run's standbys (and fork server) at one moment."""
+
+    server_rss: list[int]
+    standby_rss: list[int]
+    standby_uss: list[int]
+
+
+def sample_standbys(pid: int, ranks: int) -> Sample | None:
+    """RSS/USS of the preloaded standbys, if they are all there and done importing."""
     try:
         children = psutil.Process(pid).children(recursive=True)
         standbys = [p for p in children if is_standby_command(p.cmdline())]
@@ -215,21 +235,21 @@ def sample_standbys(cell: Cell, pid: int, ranks: int, out: Path) -> bool:
         forked = sorted((p for p in children if is_fork_server_command(p.cmdline())),
                         key=lambda p: p.create_time())
     except psutil.Error:
-        return False
+        return None
+    server_rss: list[int] = []
     if forked:
         server, standbys = forked[0], standbys + forked[1:]
         with contextlib.suppress(psutil.Error):
-            cell.server_rss.append(server.memory_info().rss)
+            server_rss.append(server.memory_info().rss)
     if len(standbys) < ranks:
-        return False
+        return None
     try:
         if any(p.cpu_percent(interval=0.2) > 5 for p in standbys):
-            return False  # still importing
-        cell.standby_rss += [p.memory_info().rss for p in standbys]
-        cell.standby_uss += [p.memory_full_info().uss for p in standbys]
+            return None  # still importing
+        return Sample(server_rss, [p.memory_info().rss for p in standbys],
+                      [p.memory_full_info().uss for p in standbys])
     except psutil.Error:
-        return False
-    return True
+        return None
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
