@@ -285,9 +285,9 @@ async def supervise(
                 events.emit("health_listening", host=settings.health_host, port=port)
                 tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog, goodput,
                               hub, not embedded)
+                health_url = f"http://{advertised_host(settings)}:{port}"
             elif not embedded:
                 tg.start_soon(freeze_when_launched, controller)
-                health_url = f"http://{advertised_host(settings)}:{port}"
             start_summaries(tg, rendezvous, hub, health_url)
             tg.start_soon(publish_status, hub, reporter)
             result = await controller.run(receive, send)
@@ -482,12 +482,12 @@ async def serve_when_launched(
     metrics.watch_output(controller.output.loss)
     metrics.watch_warm(controller.group.pool)
     goodput.attach_metrics(metrics)
+    if freeze:  # before serving: the first scrape already shows it
+        freeze_heap()
     serve = functools.partial(serve_health, sock=sock)
     await tg.start(
         serve, "", 0, lambda: hub.current, controller.progress, metrics, lag.current
     )
-    if freeze:
-        freeze_heap()
 
 
 async def freeze_when_launched(controller: Controller) -> None:
@@ -501,8 +501,10 @@ def freeze_heap() -> None:
     """Move what start-up left on the heap (modules, settings, the HTTP stack: about 30,000
     objects) to the collector's permanent generation, as a pre-forking server does: every
     full collection would otherwise walk them all again, holding the loop 14-68 ms each
-    (measured under issue 29's load on a 2-core machine, two or three per 20 s). A daemon
-    only: the embedded API leaves its host's collector alone."""
+    (measured under issue 29's load on a 2-core machine, two or three per 20 s). The cost:
+    what is alive then and later dies in a reference cycle is never freed (the first
+    attempt's objects at most, once). A daemon only: the embedded API leaves its host's
+    collector alone."""
     gc.collect()
     gc.freeze()
 

@@ -18,6 +18,7 @@ test process, and the global registry would mix them.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
@@ -133,6 +134,7 @@ class Metrics:
         self._make_watchdog_counters()
         self._make_state_gauges()
         self._make_goodput_metrics()
+        self._make_heap_metrics()
 
     # ------------------------------------------------------------------ construction
 
@@ -323,6 +325,21 @@ class Metrics:
         self.http_evictions.inc()
 
     # ------------------------------------------------- counts kept by their owners
+
+    def _make_heap_metrics(self) -> None:
+        """The collector's full collections and the start-up heap frozen out of its reach
+        (``app.freeze_heap``): a full collection holds the event loop while it runs. Both
+        are the process's (shared by the supervisors of one process, under the Python API)."""
+
+        def read() -> Iterable[Metric]:
+            yield _counter_family("gc_full_collections", "Full (generation 2) collections of "
+                                  "the supervisor's heap; each holds the event loop.",
+                                  gc.get_stats()[2]["collections"])
+            yield GaugeMetricFamily(f"{NAMESPACE}_gc_frozen_objects", "Objects of the "
+                                    "start-up moved out of the collector's reach (gc.freeze).",
+                                    value=gc.get_freeze_count())
+
+        self.registry.register(_Pulled(read))
 
     def watch_loop(self, lag: StallCounts) -> None:
         """Export the loop's stall counts (``event_loop_stalls_total``, ``..._seconds``)."""

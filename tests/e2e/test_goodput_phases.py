@@ -139,4 +139,6 @@ async def test_a_line_matching_the_progress_pattern_is_progress(tmp_path: Path) 
     errors = {"failed": rec["failed_at"] - crash, "resumed": rec["resumed_at"] - resumed}
     print("accounting error (s):", errors)
     assert all(0 <= e < TOLERANCE for e in errors.values()), errors
-    assert rec["awaited"] == [0, 1] and rec["phases"]["resume"] >= 1.2
+    # the step line comes 1.2 s into the worker, the warning 0.8 s in: the phase is timed
+    # from the group's launch, recorded a few ms after a warm rank's code began (seen: 1.197)
+    assert rec["awaited"] == [0, 1] and rec["phases"]["resume"] >= 1.0
