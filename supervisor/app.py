@@ -498,7 +498,7 @@ async def freeze_when_launched(controller: Controller) -> None:
 
 
 def freeze_heap() -> None:
-    """Move what start-up left on the heap (modules, settings, the HTTP stack: about 30,000
+    """Move what start-up left on the heap (modules, settings, the HTTP stack: about 48,000
     objects) to the collector's permanent generation, as a pre-forking server does: every
     full collection would otherwise walk them all again, holding the loop 14-68 ms each
     (measured under issue 29's load on a 2-core machine, two or three per 20 s). The cost:
