@@ -67,7 +67,7 @@ async def drive(url: str, rate: float, duration: float, concurrency: int) -> Res
     """Offer ``rate`` requests/s for ``duration`` seconds; wait for the stragglers.
 
     The client's own heap is frozen meanwhile: a full collection in this process stalled
-    its loop 10-17 ms, and each such stall would count as the server's latency (every
+    its loop 10-14 ms, and each such stall would count as the server's latency (every
     request is timed from when it was due, not from when it was sent)."""
     gc.collect()
     gc.freeze()
