@@ -122,6 +122,6 @@ async def test_a_delayer_dies_when_its_labs_process_is_sigkilled() -> None:
         owner.kill()
         owner.communicate(timeout=10)
     await wait_dead([int(pid)], timeout=10)
-    swept = sweep_stale()
-    assert switch in swept
+    # swept here, or already by a lab another test started meanwhile (its start sweeps)
+    sweep_stale()
     assert not [ns for ns in namespaces() if ns.startswith(switch.removesuffix("sw"))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,17 +28,33 @@ class Freezer:
         (self.group / "cgroup.procs").write_text(str(pid))
         (self.group / "freezer.state").write_text("FROZEN")
 
-    def release(self) -> None:
+    def release(self, *, wait: float = 0.0) -> None:
+        """Thaw, move the processes out and remove the group. A worker that exited is
+        a zombie until its supervisor reaps it, and keeps the group busy (EBUSY) until
+        then: the group is removed later, ``wait`` seconds at most (after the supervisor
+        exited)."""
         if not self.group.exists():
             return
         (self.group / "freezer.state").write_text("THAWED")
-        for pid in (self.group / "cgroup.procs").read_text().split():
+        deadline = time.monotonic() + wait
+        while True:
+            for pid in (self.group / "cgroup.procs").read_text().split():
+                try:
+                    (self.root / "cgroup.procs").write_text(pid)
+                except OSError as exc:  # exited meanwhile
+                    if exc.errno != errno.ESRCH:
+                        raise
             try:
-                (self.root / "cgroup.procs").write_text(pid)
-            except OSError as exc:  # exited meanwhile
-                if exc.errno != errno.ESRCH:
+                self.group.rmdir()
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
                     raise
-        self.group.rmdir()
+                if time.monotonic() >= deadline:
+                    if wait:
+                        raise
+                    return  # removed at teardown
+            time.sleep(0.05)  # nothing announces that the zombie was released
 
 
 @pytest.fixture
@@ -48,7 +65,7 @@ def freezer() -> Iterator[Freezer]:
                     "put a process in D state")
     made = Freezer(root)
     yield made
-    made.release()
+    made.release(wait=10.0)
 
 
 @pytest.mark.parametrize("off", [["--no-watchdog"], ["TORCHELASTIC_ENABLE_FILE_TIMER=0"]],
