@@ -323,6 +323,8 @@ class WorkerGroup:
 
     async def _monitor(self, attempt: Attempt, worker: Worker) -> None:
         status = await wait_exit(worker)
+        if status.exit_code not in (0, None) and not attempt.stopping:
+            await _signal_deaths_first(attempt, worker)
         worker.exited.set()
         message = ""
         if not status.ok:
@@ -427,3 +429,22 @@ def settings_command(settings: Settings, environ: Mapping[str, str]) -> CommandF
         )
 
     return command
+
+
+PEER_POST_BOUND = 1.0  # s: a peer's monitor posts in the same loop pass; never wait longer
+
+
+async def _signal_deaths_first(attempt: Attempt, worker: Worker) -> None:
+    """A worker exited with a code while a peer already lies dead by a signal, both seen
+    in one pass of the loop (whose order of the two means nothing): the peer's exit is
+    posted first, so it is the attempt's root cause. A rank killed by a signal (SIGKILL
+    from the OOM killer, SIGSEGV) is never the consequence of a peer's failure, while a
+    rank whose peer vanished exits with a code (gloo's "Connection reset by peer")."""
+    for peer in attempt.workers:
+        if peer is worker or peer.exited.is_set():
+            continue
+        status = peer.poll_exit()
+        if status is not None and status.signal is not None:
+            with anyio.move_on_after(PEER_POST_BOUND):
+                await peer.exited.wait()  # set by its monitor right before it posts
+

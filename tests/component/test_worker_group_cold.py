@@ -17,7 +17,7 @@ from supervisor.events import EventLog
 from supervisor.rendezvous.base import RendezvousResult
 from supervisor.workers.group import Attempt, WorkerGroup
 from supervisor.workers.output import OutputPlan
-from supervisor.workers.spawn import DeathSignal, Start, Worker, WorkerSpec
+from supervisor.workers.spawn import DeathSignal, Start, Worker, WorkerSpec, wait_exit
 from supervisor.workers.warm.base import NullPool
 from tests.support.paths import FAKE_WORKER
 
@@ -46,6 +46,27 @@ async def test_each_exit_is_posted_with_its_attempt_and_code(tmp_path: Path) -> 
         await group.supervise(attempt)  # returns once both monitors reported
     exits = [e for e in posted if isinstance(e, sm.WorkerExited)]
     assert sorted((e.attempt, e.local_rank, e.exit_code) for e in exits) == [(1, 0, 3), (1, 1, 3)]
+    await group.release()
+    group.close()
+
+
+async def test_a_death_by_signal_seen_with_an_exit_code_is_the_root_cause(
+        tmp_path: Path) -> None:
+    """Rank 0 exits 3, then rank 1 is SIGKILLed, both before the loop looks (as when it
+    is busy while an OOM-killed rank's peer fails on the broken connection): rank 1's
+    death is posted first, so it is the attempt's root cause."""
+    posted: list[sm.Event] = []
+    group = _group(tmp_path, ["--exit", "3", "--fail-rank", "0", "--hang"], posted)
+    attempt, _ = await group.launch(1, 0, ROUND)
+    rank0, rank1 = attempt.workers
+    with anyio.fail_after(30):
+        assert (await wait_exit(rank0)).exit_code == 3
+        rank1.popen.kill()
+        assert (await wait_exit(rank1)).signal == signal.SIGKILL
+        await group.supervise(attempt)  # rank 0's monitor starts first and sees its exit
+    exits = [(e.local_rank, e.exit_code, e.signal) for e in posted
+             if isinstance(e, sm.WorkerExited)]
+    assert exits == [(1, None, signal.SIGKILL), (0, 3, None)]
     await group.release()
     group.close()
 
