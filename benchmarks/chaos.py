@@ -154,6 +154,7 @@ class Chaos:
             http_requests=sum(rig.http_sent.values()),
             http_max_latency_ms=lat[-1] * 1000,
             http_p99_latency_ms=lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1000,
+            http_timeouts_across_freezes=rig.http_timeouts_across_freezes,
             fifo_lines=sum(rig.fifo_expected.values()),
             orphans=len(rig.orphans), foreign_signalled=signalled, wall=wall,
         )
@@ -177,7 +178,8 @@ def render(report: Report) -> str:
         "",
         f"restarts: {report.restarts} ({report.attempts} attempts); HTTP requests: "
         f"{report.http_requests} (p99 {report.http_p99_latency_ms:.1f} ms, max "
-        f"{report.http_max_latency_ms:.1f} ms); FIFO lines: {report.fifo_lines}",
+        f"{report.http_max_latency_ms:.1f} ms; timed out across a freeze: "
+        f"{report.http_timeouts_across_freezes}); FIFO lines: {report.fifo_lines}",
         f"supervisor fds {s.get('fds')} -> {e.get('fds')}, threads {s.get('threads')} -> "
         f"{e.get('threads')}, RSS {s.get('rss_mb', 0):.1f} -> {e.get('rss_mb', 0):.1f} MB, "
         f"children {s.get('children')} -> {e.get('children')}",

@@ -259,6 +259,7 @@ class Report:
     http_requests: int
     http_max_latency_ms: float
     http_p99_latency_ms: float
+    http_timeouts_across_freezes: int  # not violations: the supervisor was SIGSTOPped
     fifo_lines: int
     orphans: int
     foreign_signalled: int
@@ -462,6 +463,7 @@ class Rig:
         self.log_tmpfs: Path | None = None
         self.etcd: Any = None  # tests.support.etcd.EtcdFactory with --etcd
         self.freeze_epoch = 0  # counts SIGSTOPs and SIGCONTs of the supervisor
+        self.http_timeouts_across_freezes = 0  # requests that waited through a freeze
         self.fifo_quiet = anyio.Lock()  # held by a FIFO fault, or by a freeze
 
     @property
@@ -637,6 +639,12 @@ class Rig:
                 await resp.read()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError) as exc:
+            if isinstance(exc, TimeoutError) and (epoch != self.freeze_epoch or epoch % 2):
+                # the supervisor was SIGSTOPped for part of it (two ``frozen`` faults in a
+                # row stop it 2 x FREEZE s, the timeout's length): a request that follows
+                # any freeze still has to answer in time
+                self.http_timeouts_across_freezes += 1
+                return None
             self.violate(f"HTTP {method} {path}: {type(exc).__name__}: {exc}")
             return None
         if epoch == self.freeze_epoch and epoch % 2 == 0:  # a freeze is not server latency
