@@ -501,12 +501,12 @@ def freeze_heap() -> None:
     """Move what start-up left on the heap (modules, settings, the HTTP stack: about 48,000
     objects) to the collector's permanent generation, as a pre-forking server does: every
     full collection would otherwise walk them all again, holding the loop 14-68 ms each
-    (measured under issue 29's load on a 2-core machine, two or three per 20 s). The cost:
-    what is alive then and later dies in a reference cycle is never freed (the first
-    attempt's objects at most, once). A daemon only: the embedded API leaves its host's
-    collector alone."""
-    gc.collect()
-    gc.freeze()
+    (measured under issue 29's load on a 2-core machine, two or three per 20 s). No
+    ``gc.collect()`` first: that would hold the loop as long, right after the launch (the
+    start-up's garbage, 34-135 objects when probed, stays). The cost: what is alive then
+    and later dies in a reference cycle is never freed (the first attempt's objects at
+    most, once). A daemon only: the embedded API leaves its host's collector alone."""
+    gc.freeze()  # moves the generations' lists: no walk of the heap
 
 
 async def start_watchdog(
