@@ -145,6 +145,9 @@ class WarmPool:
         self._taint_retries: dict[int, int] = {}
         self._cold: dict[int, str] = {}  # local rank -> why its standby went unused
         self._pending_cold: dict[int, str] = {}  # the same, learned before the launch
+        # standbys due from a fork server being prepared, and its preload failures before
+        self._preparing: tuple[StandbyPlan, int] | None = None
+        self._counted_early = False  # ``begin`` counted them as cold for a failed preload
         self._attempt: Attempt | None = None  # the one being started, then running
         self._due: StandbyPlan | None = None  # planned at the launch, started by ``run``
         # standbys being started (a retry after a tainted auto preload adds one meanwhile)
@@ -178,6 +181,14 @@ class WarmPool:
     # ------------------------------------------------------------------ the attempt
     def begin(self, attempt: Attempt) -> None:
         self._attempt = attempt
+        if self._preparing is not None and self.forks is not None:
+            due, failures_before = self._preparing
+            if self.forks.failures["preload"] > failures_before:
+                # the last attempt ended while its standbys waited for a server whose
+                # preload has failed meanwhile: those ranks start cold for that reason
+                for want in due.wanted:
+                    self._pending_cold.setdefault(want.rank, "preload_failed")
+                self._counted_early = True
         self._cold, self._pending_cold = self._pending_cold, {}
 
     def launched(self, attempt: Attempt) -> None:
@@ -202,6 +213,15 @@ class WarmPool:
             await self._preload_when_resumed(attempt)
 
     # ------------------------------------------------------------------ forked standbys
+    async def _prepare(self, config: ForkServerConfig, due: StandbyPlan) -> bool:
+        """``forks.prepare``, with ``due`` known to ``begin`` meanwhile."""
+        assert self.forks is not None
+        self._preparing, self._counted_early = (due, self.forks.failures["preload"]), False
+        try:
+            return await self.forks.prepare(config)
+        finally:
+            self._preparing = None
+
     async def _fork_standbys(self, attempt: Attempt, due: StandbyPlan) -> None:
         """Fork the next attempt's standbys right after the launch (milliseconds each),
         from the fork server once it is ready; with ``auto``, learn the node's list from
@@ -215,10 +235,11 @@ class WarmPool:
             self.forks.request(config)  # a replacement, if the list changed: later
         elif not config.preload and not config.auto_names:
             self._drop(due)  # auto, nothing learned yet: no server to fork from
-        elif not await self.forks.prepare(config):
+        elif not await self._prepare(config, due):
             self._drop(due)  # cold starts; a new server is tried at the next launch
-            for want in due.wanted:  # counted as standbys whose preload failed
-                self._pending_cold[want.rank] = "preload_failed"
+            if not self._counted_early:  # as standbys whose preload failed, once
+                for want in due.wanted:
+                    self._pending_cold[want.rank] = "preload_failed"
             if self.forks.given_up:  # as without the fork server, from now on
                 await self._preload_when_resumed(attempt)
             return
