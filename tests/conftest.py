@@ -110,7 +110,7 @@ def freezer() -> Iterator[Freezer]:
                     "put a process in D state; the FUSE fallback is not implemented")
     made = Freezer(root)
     yield made
-    made.release()
+    made.release(wait=10.0)
 
 
 # skip reasons that mean "something is not installed", whoever raised them

@@ -121,15 +121,32 @@ class Freezer:
         (self.group / "cgroup.procs").write_text(str(pid))
         (self.group / "freezer.state").write_text("FROZEN")
 
-    def release(self) -> None:
+    def release(self, *, wait: float = 0.0) -> None:
+        """Thaw, move the processes out and remove the group. A worker that exited is a
+        zombie until its supervisor reaps it and keeps the group busy (EBUSY) until then:
+        the group is then removed by a later call, which tries for ``wait`` seconds."""
+        if not self.group.exists():
+            return
         (self.group / "freezer.state").write_text("THAWED")
-        for pid in (self.group / "cgroup.procs").read_text().split():
+        deadline = time.monotonic() + wait
+        while True:
+            for pid in (self.group / "cgroup.procs").read_text().split():
+                try:
+                    (self.root / "cgroup.procs").write_text(pid)
+                except OSError as exc:  # exited meanwhile
+                    if exc.errno != errno.ESRCH:
+                        raise
             try:
-                (self.root / "cgroup.procs").write_text(pid)
-            except OSError as exc:  # exited meanwhile
-                if exc.errno != errno.ESRCH:
+                self.group.rmdir()
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY:
                     raise
-        self.group.rmdir()
+                if time.monotonic() >= deadline:
+                    if wait:
+                        raise
+                    return  # removed by the fixture's final call
+            time.sleep(0.05)  # cgroup v1 announces no emptiness (only a release agent)
 
 
 def proc_state(pid: int) -> str:
