@@ -484,7 +484,8 @@ async def serve_when_launched(
     goodput.attach_metrics(metrics)
     if freeze:  # before serving: the first scrape already shows it
         freeze_heap()
-    serve = functools.partial(serve_health, sock=sock)
+    serve = functools.partial(serve_health, sock=sock,
+                              notices=etcd.notices.receive if etcd is not None else None)
     await tg.start(
         serve, "", 0, lambda: hub.current, controller.progress, metrics, lag.current
     )

@@ -150,7 +150,7 @@ def _parse(url: str, body: bytes) -> dict[str, Any]:
         raise StatusError(f"{url}: answer larger than {MAX_BODY} bytes; not a status document")
     try:
         doc = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise StatusError(f"{url}: answer is not JSON; not a supervisor?") from None
     if not isinstance(doc, dict) or "state" not in doc or "run_id" not in doc:
         raise StatusError(f"{url}: answer is not a status document; not a supervisor?")

@@ -1,12 +1,16 @@
-"""The read-only health HTTP server: ``/healthz /readyz /status /metrics /openapi.json``.
+"""The health HTTP server: ``/healthz /readyz /status /metrics /openapi.json``, read-only,
+and ``POST /leave-notice``, a peer's hint that it left the round.
 
 One aiohttp application run as one cooperating task on the supervisor's event loop.
 Handlers only read: the current ``Snapshot`` (published by the controller), the
-``ProgressTable`` and the measured loop lag. They never await anything, so a probe is
-answered in microseconds even while the controller is busy stopping a group.
+``ProgressTable`` and the measured loop lag. They never await anything but a request's
+own body, so a probe is answered in microseconds even while the controller is busy
+stopping a group.
 
-GET and HEAD only. Unknown paths answer 404, other methods 405 with ``Allow``; every
-body is small JSON except ``/metrics``.
+GET and HEAD only, but for the one POST. Unknown paths answer 404, other methods 405
+with ``Allow``; every body is small JSON except ``/metrics``. A leave notice changes
+nothing by itself: it is handed to the rendezvous (``rendezvous.leave_notice``), which
+checks with the node it names before believing it; without an etcd backend it is refused.
 """
 
 from __future__ import annotations
@@ -41,10 +45,12 @@ SnapshotSource = Callable[[], Snapshot]
 LagSource = Callable[[], float]
 Clock = Callable[[], float]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+NoticeSink = Callable[[object], tuple[int, dict[str, Any]]]
+"""Takes a leave notice's parsed JSON body; answers (HTTP status, JSON body)."""
 
 CLEANUP_TIMEOUT = 5.0
 SHUTDOWN_TIMEOUT = 1.0  # in-flight requests are tiny; do not hold a stop for them
-MAX_REQUEST_BODY = 1024  # nothing is ever read from a body
+MAX_REQUEST_BODY = 1024  # a leave notice is the only body ever read: ~100 bytes
 MAX_CONNECTIONS = 64  # probes and scrapers need a handful; the rest go to the workers
 # seconds a connection has to deliver a complete request, from its opening or from its last
 # response: a slow or silent client (slowloris) is closed, so it cannot hold one of the
@@ -82,8 +88,10 @@ class HealthApp:
         clock: Clock = time.monotonic,
         wall: Clock = time.time,
         max_loop_lag: float = health.DEFAULT_MAX_LOOP_LAG,
+        notices: NoticeSink | None = None,
     ) -> None:
         self._snapshots = snapshots
+        self._notices = notices
         self._progress = progress
         self._metrics = metrics
         self._lag = lag
@@ -132,6 +140,18 @@ class HealthApp:
             headers={"Content-Type": self._metrics.content_type, **_COMMON_HEADERS},
         )
 
+    async def leave_notice(self, request: web.Request) -> web.Response:
+        """A peer says it left the round: handed to the rendezvous, which checks it."""
+        if self._notices is None:
+            return _json_response({"accepted": False, "reason": "this node's rendezvous "
+                                   "backend takes no leave notices"}, 409)
+        try:
+            doc = json.loads(await request.read())
+        except (ValueError, RecursionError):
+            return _json_response({"accepted": False, "reason": "the body is not JSON"}, 400)
+        status, answer = self._notices(doc)
+        return _json_response(answer, status)
+
     async def openapi(self, request: web.Request) -> web.Response:
         """The OpenAPI document describing these endpoints."""
         return web.Response(
@@ -163,10 +183,12 @@ def make_app(
     clock: Clock = time.monotonic,
     wall: Clock = time.time,
     max_loop_lag: float = health.DEFAULT_MAX_LOOP_LAG,
+    notices: NoticeSink | None = None,
 ) -> web.Application:
     """Build the aiohttp application (routes, middleware) without starting it."""
     handlers = HealthApp(
-        snapshots, progress, metrics, lag, clock=clock, wall=wall, max_loop_lag=max_loop_lag
+        snapshots, progress, metrics, lag, clock=clock, wall=wall, max_loop_lag=max_loop_lag,
+        notices=notices,
     )
     app = web.Application(
         middlewares=[handlers.errors_and_counts], client_max_size=MAX_REQUEST_BODY
@@ -180,6 +202,7 @@ def make_app(
     }
     for path, handler in routes.items():
         app.router.add_get(path, handler, allow_head=True)
+    app.router.add_post("/leave-notice", handlers.leave_notice)
     app.on_response_prepare.append(_hide_server_version)
     return app
 
@@ -193,6 +216,7 @@ async def serve_health(
     lag: LagSource,
     *,
     max_loop_lag: float = health.DEFAULT_MAX_LOOP_LAG,
+    notices: NoticeSink | None = None,
     sock: socket.socket | None = None,
     request_deadline: float = REQUEST_DEADLINE,
     task_status: TaskStatus[tuple[str, int]] = anyio.TASK_STATUS_IGNORED,
@@ -202,7 +226,8 @@ async def serve_health(
     ``port`` 0 picks a free port; the one bound is logged and passed to ``started``.
     ``sock``, if given, is an already bound and listening socket to serve instead.
     """
-    app = make_app(snapshots, progress, metrics, lag, max_loop_lag=max_loop_lag)
+    app = make_app(snapshots, progress, metrics, lag, max_loop_lag=max_loop_lag,
+                   notices=notices)
     runner = web.AppRunner(
         app,
         handle_signals=False,

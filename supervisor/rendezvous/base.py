@@ -125,8 +125,10 @@ class Rendezvous(Protocol):
         """Tell every node the job failed for good (closes the rendezvous)."""
         ...
 
-    async def leave(self) -> None:
-        """Leave gracefully (this node only); the job continues elsewhere."""
+    async def leave(self, *, tell_peers: bool = True) -> None:
+        """Leave gracefully (this node only); the job continues elsewhere. ``tell_peers``:
+        a backend that can also tells the peers directly (False when the run is simply
+        over and the connections are being closed)."""
         ...
 
     async def aclose(self) -> None:

@@ -643,7 +643,7 @@ class C10dRendezvous:
         async with self._naming_the_host():
             await self.inner.fail_job(message)
 
-    async def leave(self) -> None:
+    async def leave(self, *, tell_peers: bool = True) -> None:
         """Revoke this node's lease; at once if the host is gone (nothing to tell), rather
         than retrying for ``request_timeout`` as against a cluster that may come back."""
         if self._left:
@@ -651,7 +651,7 @@ class C10dRendezvous:
         self._left = True
         gone = self.server is None and not await self._host_answers()
         with anyio.move_on_after(PROBE_TIMEOUT if gone else math.inf):
-            await self.inner.leave()
+            await self.inner.leave(tell_peers=tell_peers and not gone)
 
     def node_ledger(self, limits: Limits) -> NodeLedger:
         return self.inner.node_ledger(limits)
@@ -669,7 +669,7 @@ class C10dRendezvous:
     async def aclose(self) -> None:
         """Close the etcd rendezvous; as host, give the other nodes up to ``close_timeout``
         to see the job's end before the server goes (only when the job did end)."""
-        await self.leave()
+        await self.leave(tell_peers=False)
         await self.inner.aclose()
         if self.server is None:
             return

@@ -79,6 +79,7 @@ from supervisor.rendezvous.etcd_state import (
     round_guard,
 )
 from supervisor.rendezvous.etcd_watch import PrefixView, open_prefix_view
+from supervisor.rendezvous.leave_notice import LeaveNotices
 from supervisor.rendezvous.sameid import ended_line, meet, shape_value
 from supervisor.rendezvous.waitreport import WaitClock, WaitProgress, unresolved
 
@@ -137,6 +138,12 @@ class EtcdRendezvous:
                                    last_refresh_sent=self._standing_since,
                                    on_cut_off=self._cut_off)
         self._cut_off_reason: str | None = None  # this node is the one cut off from etcd
+        self.notices = LeaveNotices(self._cutoff, config.run_id, config.node_id,
+                                    on_peer_left=self._peer_left,
+                                    etcd_answers=self._answers_within)
+        self._told_left: tuple[int, str] | None = None  # a peer's leave, told directly
+        self._advance_reason = ""  # why this node opens the next round itself
+        self._left_round: int | None = None  # the round it ran when it left (/status)
         self._evicted_reason = ""
         self._ctl: PrefixView | None = None
         self._ready = anyio.Event()
@@ -191,6 +198,7 @@ class EtcdRendezvous:
                           "endpoints": list(self._ctl.watch_endpoints) if self._ctl else [],
                           "resyncs": self._ctl.resyncs if self._ctl else 0},
                 "cut_off": self._cut_off_reason,
+                "left_round": self._left_round,
                 "unreachable_for": round(r.outage_age(now), 3),
                 "outages": r.outages, "last_outage": round(r.last_outage, 3),
                 "total_outage": round(r.total_outage, 3), "cause": r.cause or None,
@@ -270,6 +278,7 @@ class EtcdRendezvous:
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(self._campaign)
                         tg.start_soon(self._cutoff.run)
+                        tg.start_soon(self.notices.run)
                         task_status.started()
                         await self._lease.keep_alive()
                         await self._closed.wait()
@@ -280,21 +289,30 @@ class EtcdRendezvous:
             with anyio.CancelScope(shield=True):
                 await self.aclose()
 
-    async def leave(self) -> None:
-        """Revoke the lease: this node's keys vanish, the others re-form; the job goes on."""
+    async def leave(self, *, tell_peers: bool = True) -> None:
+        """Revoke the lease: this node's keys vanish, the others re-form; the job goes on.
+        With ``tell_peers`` (a graceful leave; not when the run is simply over), a node
+        that runs a round also tells its peers directly (``core.leave_notice``), for when
+        etcd cannot commit the revoke at once."""
         if not self._left:
             self._left = True
             if not self._lease.id:
                 return  # never joined (etcd was unreachable): nothing to leave
-            with anyio.move_on_after(self.config.request_timeout):
-                await self._lease.revoke()
+            round_ = self._cutoff.round
+            async with anyio.create_task_group() as tg:
+                if tell_peers and round_ >= 0:
+                    self._left_round = round_
+                    self._emit("rendezvous_left", round=round_)  # /status says so first
+                    tg.start_soon(self.notices.tell, round_)
+                with anyio.move_on_after(self.config.request_timeout):
+                    await self._lease.revoke()
             logger.info("left etcd rendezvous %s as %s", self.run_id, self.node_id)
 
     async def aclose(self) -> None:
         """Leave (if not done yet) and close connections. Idempotent."""
         if self._closed.is_set():
             return
-        await self.leave()
+        await self.leave(tell_peers=False)
         self._closed.set()
         if self._run_active:  # let run() close its watches before the session goes
             with anyio.move_on_after(self.config.request_timeout):
@@ -361,6 +379,29 @@ class EtcdRendezvous:
         logger.warning("etcd rendezvous: %s", reason)
         self._emit("etcd_cut_off", reason=reason)
         self._notify_ctl()
+
+    def _peer_left(self, node: str, round_: int) -> None:
+        """A peer told this node directly that it left ``round_`` and confirmed it, and
+        etcd has shown nothing for ``GRACE``: the round is over here too."""
+        if self._ctl is None or round_ != self._cutoff.round or self._state().round > round_:
+            return  # this node moved on meanwhile, or etcd told it first
+        reason = (f"node(s) lost: {node} (it left round {round_} and told this node "
+                  "directly; etcd has not committed it yet)")
+        logger.warning("etcd rendezvous: %s", reason)
+        self._emit("peer_left_told", node=node, round=round_)
+        self._told_left = (round_, reason)
+        self._notify_ctl()
+
+    async def _answers_within(self, seconds: float) -> bool:
+        """Whether etcd serves a linearizable read (it has a raft leader and this node
+        reaches it) within ``seconds``."""
+        with anyio.move_on_after(seconds):
+            try:
+                await self._client.range(self._keys.round, retry_window=0)
+            except EtcdError:
+                return False
+            return True
+        return False
 
     @contextmanager
     def _join_deadline(self) -> Iterator[anyio.CancelScope]:
@@ -498,6 +539,9 @@ class EtcdRendezvous:
         etcd answers, plus any outage (bounded by ``outage_limit``)."""
         await self._usable()
         self._evicted, self._cut_off_reason = False, None
+        # a round this node opens itself says why (the others' goodput causes read it)
+        self._advance_reason = self._told_left[1] if self._told_left else ""
+        self._told_left = None
         self._cutoff.round_ended()
         started = time.monotonic()
         result: RendezvousResult | None = None
@@ -611,7 +655,8 @@ class EtcdRendezvous:
         if self.node_id in {m.node for m in members} and self._joined == n:
             if n > self._last_round:
                 return await self._finishing(state, n, members)
-            await self._advance(state, n, "")  # restarting from a round it already ran
+            # restarting from a round it already ran
+            await self._advance(state, n, self._advance_reason)
             return True
         return await self._waiting_room(state, n, members)
 
@@ -692,7 +737,7 @@ class EtcdRendezvous:
         ids = [m.node for m in members]
         rank = ids.index(self.node_id)
         sizes = [m.local_world_size for m in members]
-        self._last_round = n
+        self._last_round, self._advance_reason = n, ""
         spare, self._was_spare = self._was_spare, False
         self._cutoff.round_started(n, ids)
         return RendezvousResult(
@@ -732,6 +777,8 @@ class EtcdRendezvous:
                                   f"{why}")
         if self._cut_off_reason is not None:
             return f"cut off from etcd: {self._cut_off_reason}"
+        if self._told_left is not None and self._told_left[0] == result.round:
+            return self._told_left[1]
         return None
 
     async def exit_barrier(self, result: RendezvousResult, timeout: float) -> BarrierResult:

@@ -1,12 +1,14 @@
 """The cut-off check at the edge: ask the round's peers whether they reach etcd.
 
 The rule is ``supervisor.core.partition.judge``; this module does its I/O. While etcd
-answers, it remembers the health URLs of up to ``PEERS`` peers of the node's current round
-(from their status summaries, ``summary.summary_prefix``: one read of a few keys per
-round). While etcd does not answer, it asks those peers' ``/status`` every
-``PROBE_INTERVAL`` (each request bounded by ``PROBE_TIMEOUT``) and tells its owner once the
-rule says this node is cut off (``on_cut_off(reason)``). No new coordination service: the
-peers' health endpoints, which exist anyway, are the witnesses.
+answers, it remembers the health URLs of up to ``PEERS`` peers of the node's current round,
+and of the (up to 3) members that would tell it of their leave (``core.leave_notice``;
+the notice itself is ``rendezvous.leave_notice``), from their status summaries
+(``summary.summary_prefix``: one read of a few keys per round). While etcd does not
+answer, it asks those peers' ``/status`` every ``PROBE_INTERVAL`` (each request bounded by
+``PROBE_TIMEOUT``) and tells its owner once the rule says this node is cut off
+(``on_cut_off(reason)``). No new coordination service: the peers' health endpoints, which
+exist anyway, are the witnesses.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 import anyio
 
+from supervisor.core.leave_notice import told_by
 from supervisor.core.partition import (
     Cutoff,
     PeerReport,
@@ -67,6 +70,20 @@ class CutoffCheck:
         self._wake = anyio.Event()
         self.last_verdict: Verdict | None = None
 
+    @property
+    def round(self) -> int:
+        """The round this node runs (-1: none, it is between rounds)."""
+        return self._round
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """The members of that round, in group-rank order."""
+        return self._members
+
+    def url(self, node: str) -> str | None:
+        """The health URL of a peer, if this node read it (``learn_peers``)."""
+        return self._urls.get(node)
+
     def round_started(self, round_: int, members: Sequence[str]) -> None:
         """This node runs round ``round_`` with ``members`` (group-rank order)."""
         self._round, self._members = round_, tuple(members)
@@ -107,11 +124,13 @@ class CutoffCheck:
                 await self._wait_change(seen)
 
     async def learn_peers(self) -> bool:
-        """Read the health URLs of the peers this node would ask (best effort); whether
-        every one is known. Called once more before the round's workers start, so that a
-        cut right after the start finds them known."""
-        wanted = [p for p in peers_to_ask(self._members, self._node_id, PEERS)
-                  if p not in self._urls]
+        """Read the health URLs of the peers this node would ask, and of those that would
+        tell it of their leave (``core.leave_notice``) (best effort); whether every one is
+        known. Called once more before the round's workers start, so that a cut right
+        after the start finds them known."""
+        peers = peers_to_ask(self._members, self._node_id, PEERS)
+        peers += [p for p in told_by(self._members, self._node_id) if p not in peers]
+        wanted = [p for p in peers if p not in self._urls]
         prefix = summary_prefix(self._run_id)
         for peer in wanted:
             try:
@@ -126,7 +145,7 @@ class CutoffCheck:
                 return False
             self._urls[peer] = url
         if wanted:
-            logger.info("cut-off check: round %d, the peers to ask are %s", self._round,
+            logger.info("round %d: the peers to ask or to be told by are %s", self._round,
                         ", ".join(f"{p} at {self._urls[p]}" for p in wanted))
         return True
 
@@ -172,7 +191,7 @@ class CutoffCheck:
                 async with session.get(url + "/status") as resp:
                     body = await resp.content.read(MAX_STATUS)
             doc = json.loads(body)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, RecursionError) as exc:
             logger.debug("peer %s at %s did not answer: %s", peer, url, exc)
             return PeerReport(peer, answered=False)
         return parse_peer_status(peer, doc, self._run_id)
@@ -182,7 +201,7 @@ def _health_url(value: bytes) -> str | None:
     """The ``health_url`` of a status summary, if it is a plain http(s) URL."""
     try:
         doc = json.loads(value)
-    except ValueError:
+    except (ValueError, RecursionError):  # deep nesting too: a peer wrote it
         return None
     url = doc.get("health_url") if isinstance(doc, dict) else None
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):

@@ -148,7 +148,7 @@ class WatchStream:
     async def _read_message(self) -> list[WatchEvent]:
         try:
             data = json.loads(await self._read_line())
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise EtcdError("etcd watch sent something that is not JSON") from exc
         _raise_for_error(data)
         result: JsonDict = data.get("result", {})

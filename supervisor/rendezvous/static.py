@@ -97,7 +97,7 @@ class StaticRendezvous:
     async def fail_job(self, message: str) -> None:
         return None
 
-    async def leave(self) -> None:
+    async def leave(self, *, tell_peers: bool = True) -> None:
         return None
 
     async def aclose(self) -> None:

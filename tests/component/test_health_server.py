@@ -427,9 +427,40 @@ def test_openapi_document_is_valid() -> None:
 def test_openapi_document_covers_every_route() -> None:
     doc = openapi_document()
     assert doc["openapi"].startswith("3.")
-    assert sorted(doc["paths"]) == sorted(PATHS)
-    for item in doc["paths"].values():
-        assert set(item) == {"get", "head"}
+    assert sorted(doc["paths"]) == sorted([*PATHS, "/leave-notice"])
+    for path, item in doc["paths"].items():
+        assert set(item) == ({"post"} if path == "/leave-notice" else {"get", "head"})
+
+
+async def test_a_leave_notice_without_an_etcd_backend_is_refused_409() -> None:
+    with anyio.fail_after(10):
+        async with running_server(Harness()) as (client, _), \
+                client.post("/leave-notice", json={"run_id": "r", "node": "n", "round": 0}
+                            ) as resp:
+            assert resp.status == 409
+            assert (await resp.json())["accepted"] is False
+
+
+@pytest.mark.parametrize(("body", "status"), [
+    (b"{", 400), (b"[" * 1000, 400), (b"\xff\xfe", 400), (b"x" * 2000, 413)])
+async def test_a_leave_notice_that_is_not_json_is_refused_and_never_reaches_the_sink(
+        body: bytes, status: int) -> None:
+    received: list[object] = []
+
+    def sink(doc: object) -> tuple[int, dict[str, Any]]:
+        received.append(doc)
+        return 202, {"accepted": True}
+
+    with anyio.fail_after(10):
+        async with running_server(Harness(), notices=sink) as (client, _), \
+                client.post("/leave-notice", data=body) as resp:
+            assert resp.status == status
+            assert (await resp.json())["status" if status == 413 else "accepted"] in (
+                413, False)
+        async with running_server(Harness(), notices=sink) as (client, _), \
+                client.post("/leave-notice", json={"any": "thing"}) as resp:
+            assert (resp.status, await resp.json()) == (202, {"accepted": True})
+    assert received == [{"any": "thing"}]
 
 
 async def test_openapi_document_is_served() -> None:

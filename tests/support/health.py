@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,7 +14,7 @@ from msgspec.structs import replace
 
 from supervisor.core.snapshot import ProgressTable, RendezvousView, Snapshot, WorkerView
 from supervisor.health.metrics import Metrics
-from supervisor.health.server import serve_health
+from supervisor.health.server import NoticeSink, serve_health
 
 
 def make_snapshot(phase: str = "running") -> Snapshot:
@@ -53,12 +54,13 @@ class Harness:
 
 
 @asynccontextmanager
-async def running_server(h: Harness) -> AsyncIterator[tuple[aiohttp.ClientSession, int]]:
+async def running_server(h: Harness, notices: NoticeSink | None = None
+                         ) -> AsyncIterator[tuple[aiohttp.ClientSession, int]]:
     """Start the server on a free port; yield a client bound to it; stop it on exit."""
     async with anyio.create_task_group() as tg:
-        _, port = await tg.start(
-            serve_health, "127.0.0.1", 0, h.current, h.progress, h.metrics, h.current_lag
-        )
+        _, port = await tg.start(functools.partial(
+            serve_health, "127.0.0.1", 0, h.current, h.progress, h.metrics, h.current_lag,
+            notices=notices))
         async with aiohttp.ClientSession(base_url=f"http://127.0.0.1:{port}") as client:
             yield client, port
         tg.cancel_scope.cancel()

@@ -453,8 +453,13 @@ def leave_after_isolation(*, ttl: int, raft_leader: bool = False, kill: bool = F
         except ScenarioError:
             moved = [left_e0(n) for n in (a, b)]
         election = _elected_at(elected)
+        # through etcd, or told by C directly (its leave notice, while etcd commits nothing)
+        told = [n.first("membership_changed", left_at,
+                        lambda e: "told this node directly" in str(e.get("reason")))
+                is not None for n in (a, b)]
         return {
             "ttl": ttl, "e0_raft_leader": raft_leader, "e0": "killed" if kill else "isolated",
+            "told_directly": told,
             "left_after_isolation": left_at - isolated_at,
             # with e0 the leader: when e1 or e2 first named a new one, after the isolation
             "new_leader_after_isolation": _rel(election, isolated_at),
