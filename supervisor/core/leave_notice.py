@@ -28,7 +28,8 @@ The body and the peer's answer are untrusted input: anything malformed is refuse
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 from supervisor.core.partition import peers_to_ask
 
@@ -38,8 +39,7 @@ FALLBACK = 2.0  # s after a notice when etcd commits but has not shown the leave
 MAX_NODE_ID = 256  # characters of a node id in a notice, at most
 
 
-@dataclass(frozen=True)
-class LeaveNotice:
+class LeaveNotice(msgspec.Struct, frozen=True):
     """A node says it left a round (not yet checked)."""
 
     node: str

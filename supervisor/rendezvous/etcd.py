@@ -857,10 +857,21 @@ class EtcdRendezvous:
         raise RendezvousError("etcd rendezvous: restart counter too contended to update")
 
     async def restart_count(self) -> int:
-        """The job-wide failure restart count (one read: it must include other nodes'
-        latest counts)."""
+        """The job-wide failure restart count for the round this node was handed last:
+        as etcd held it when that round was closed (one read at the revision of its
+        result). A failure counted since came from that round, so every node launches
+        the round with the same count, also one that completes it after a fast failure
+        elsewhere was counted. The latest count if that result is gone or compacted."""
+        closed = (self._state().kv(self._keys.result(self._last_round))
+                  if self._ctl is not None and self._last_round >= 0 else None)
         with _etcd_errors("reading the restart counter"):
-            kv = await self._client.get(self._keys.restarts)
+            try:
+                kv = await self._client.get(
+                    self._keys.restarts, revision=closed.mod_revision if closed else 0)
+            except EtcdError as exc:
+                if closed is None or "compacted" not in str(exc):
+                    raise
+                kv = await self._client.get(self._keys.restarts)
         restarts = State(self._keys, {kv.key: kv}).restarts if kv else None
         return restarts.count if restarts else 0
 

@@ -223,10 +223,12 @@ def prefix_end(prefix: str) -> str:
     return prefix[:-1] + chr(ord(prefix[-1]) + 1)
 
 
-def _key_range(key: str, prefix: bool) -> JsonDict:
+def _key_range(key: str, prefix: bool, revision: int = 0) -> JsonDict:
     body: JsonDict = {"key": _b64(key)}
     if prefix:
         body["range_end"] = _b64(prefix_end(key))
+    if revision > 0:
+        body["revision"] = revision
     return body
 
 
@@ -539,16 +541,18 @@ class EtcdClient:
             raise refusals[0]
         return None, failures
 
-    async def get(self, key: str) -> KeyValue | None:
-        """The key, or None if it does not exist."""
-        result = await self.range(key)
+    async def get(self, key: str, *, revision: int = 0) -> KeyValue | None:
+        """The key (as of ``revision``, if > 0), or None if it does not exist."""
+        result = await self.range(key, revision=revision)
         return result.kvs[0] if result.kvs else None
 
-    async def range(self, key: str, *, prefix: bool = False,
+    async def range(self, key: str, *, prefix: bool = False, revision: int = 0,
                     retry_window: float | Literal["default"] | None = "default"
                     ) -> RangeResult:
-        """The key (or every key under the prefix) and the store revision read."""
-        data = await self.call("/v3/kv/range", _key_range(key, prefix), retry_window=retry_window)
+        """The key (or every key under the prefix) and the store revision read; as of
+        ``revision`` if > 0 (an error once etcd compacted that revision away)."""
+        data = await self.call("/v3/kv/range", _key_range(key, prefix, revision),
+                               retry_window=retry_window)
         kvs = tuple(KeyValue.from_json(kv) for kv in _objects(data.get("kvs", ())))
         return RangeResult(kvs, int(data["header"]["revision"]))
 

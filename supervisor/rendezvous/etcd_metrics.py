@@ -53,3 +53,10 @@ class EtcdCollector(Collector):
                          ("failed_attempts", "etcd requests to one endpoint that failed"),
                          ("watch_events", "etcd watch events delivered (each once)")):
             yield CounterMetricFamily(PREFIX + key, doc, value=stats[key])
+        notices = CounterMetricFamily(
+            "elastic_supervisor_leave_notices", "Leave notices from peers by outcome: "
+            "received, refused (malformed or not applicable), confirmed or unconfirmed by "
+            "the node named (docs/rendezvous.md, Graceful leave)", labels=["outcome"])
+        for outcome, count in self._rdzv.notices.counts.items():
+            notices.add_metric([outcome], count)
+        yield notices

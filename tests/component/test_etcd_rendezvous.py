@@ -228,6 +228,41 @@ async def test_restart_counter_is_job_wide(server: EtcdMember) -> None:
 
 
 @etcd
+async def test_every_node_launches_a_round_with_the_count_it_was_closed_with(
+        server: EtcdMember) -> None:
+    """A rank that fails within milliseconds of its launch gets its failure counted before
+    a slower node has read the count for the same round: that node must still launch the
+    round with the count its peers used (seen as a flake of
+    test_multinode::test_exhausted_budget_fails_every_node: a node's starts were [1, 1])."""
+    async with agents([server.endpoint], 2, min_nodes=2, max_nodes=2) as rdzvs:
+        with anyio.fail_after(20):
+            first = await form_round(rdzvs)
+            assert await rdzvs[0].restart_count() == 0
+            assert await rdzvs[0].record_failure_restart("rank 0 exited 7") == 1
+            assert await rdzvs[1].restart_count() == 0  # round 0's count, read late
+            second: list[RendezvousResult] = []
+            reasons: list[str] = []
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(change_then_rejoin, rdzvs[1], first[1], reasons, second)
+                second.append(await rdzvs[0].next_round(1))
+            assert {r.round for r in second} == {1}
+            assert [await r.restart_count() for r in rdzvs] == [1, 1]
+
+
+@etcd
+async def test_a_compacted_round_revision_falls_back_to_the_latest_count(
+        server: EtcdMember) -> None:
+    async with agents([server.endpoint], 2, min_nodes=2, max_nodes=2) as rdzvs:
+        with anyio.fail_after(20):
+            await form_round(rdzvs)
+            assert await rdzvs[0].record_failure_restart("rank 0 exited 7") == 1
+            async with EtcdClient([server.endpoint]) as client:
+                revision = (await client.range("/")).revision
+                await client.call("/v3/kv/compaction", {"revision": revision, "physical": True})
+            assert await rdzvs[1].restart_count() == 1  # no error: the latest count
+
+
+@etcd
 async def test_exit_barrier_passes_when_all_finish_and_closes_the_job(server: EtcdMember) -> None:
     async with agents([server.endpoint], 3) as rdzvs:
         with anyio.fail_after(10):

@@ -125,6 +125,14 @@ async def test_a_notice_the_named_node_does_not_confirm_changes_nothing(
                           (b"x" * 5000, 413)):
             status_code, answer = await post_notice(target, bad)
             assert status_code == code, (bad[:40], answer)
+        async with aiohttp.ClientSession() as session, \
+                session.get(f"http://127.0.0.1:{target}/metrics") as resp:
+            metrics = await resp.text()
+        # the body that is not JSON and the one too large never reach the rendezvous
+        for outcome, count in (("received", 5), ("refused", 4), ("confirmed", 0),
+                               ("unconfirmed", 1)):
+            assert (f'elastic_supervisor_leave_notices_total{{outcome="{outcome}"}} '
+                    f'{count:.1f}') in metrics, outcome
         assert [n.current_pids() for n in nodes] == pids
         assert all(pid_alive(p) for group in pids for p in group)
         assert not any(e for n in nodes for e in n.events("membership_changed")
