@@ -65,6 +65,8 @@ class ForkSlot:
         self._failed_for: ForkServerConfig | None = None
         self.excluded: set[str] = set()  # packages no server may preload any more
         self.failures: Counter[str] = Counter()  # reason -> count (for /metrics)
+        # the last server's preload failed, and no server got ready since
+        self.preload_failing = False
         self._warned = False
         self.ready_at: float | None = None  # monotonic time the current server got ready
 
@@ -179,7 +181,7 @@ class ForkSlot:
                     self.request(retry)
             return
         old, self.server = self.server, pending
-        self._failed_for = None
+        self._failed_for, self.preload_failing = None, False
         self.ready_at = time.monotonic()
         logger.info("fork server (pid %d) ready: preloaded %s in %.2f s%s", pending.pid,
                     ",".join([*config.preload, *(["auto"] if config.auto_names else [])])
@@ -248,6 +250,7 @@ class ForkSlot:
                            report.error, culprit)
             self.failures["tainted" if report.tainted else "thread"] += 1
             return
+        self.preload_failing = True
         self._failed("preload", f"fork server: {report.error}")
 
     def _failed(self, reason: str, text: str) -> None:

@@ -145,8 +145,8 @@ class WarmPool:
         self._taint_retries: dict[int, int] = {}
         self._cold: dict[int, str] = {}  # local rank -> why its standby went unused
         self._pending_cold: dict[int, str] = {}  # the same, learned before the launch
-        # standbys due from a fork server being prepared, and its preload failures before
-        self._preparing: tuple[StandbyPlan, int] | None = None
+        # standbys due from a fork server still being prepared
+        self._preparing: StandbyPlan | None = None
         self._counted_early = False  # ``begin`` counted them as cold for a failed preload
         self._attempt: Attempt | None = None  # the one being started, then running
         self._due: StandbyPlan | None = None  # planned at the launch, started by ``run``
@@ -181,14 +181,14 @@ class WarmPool:
     # ------------------------------------------------------------------ the attempt
     def begin(self, attempt: Attempt) -> None:
         self._attempt = attempt
-        if self._preparing is not None and self.forks is not None:
-            due, failures_before = self._preparing
-            if self.forks.failures["preload"] > failures_before:
-                # the last attempt ended while its standbys waited for a server whose
-                # preload has failed meanwhile: those ranks start cold for that reason
-                for want in due.wanted:
-                    self._pending_cold.setdefault(want.rank, "preload_failed")
-                self._counted_early = True
+        if self._preparing is not None and self.forks is not None \
+                and self.forks.preload_failing:
+            # the last attempt ended while its standbys waited for a new server, the last
+            # one's preload having failed: those ranks start cold for that reason (also
+            # when the new server has not failed yet: it imports the same list)
+            for want in self._preparing.wanted:
+                self._pending_cold.setdefault(want.rank, "preload_failed")
+            self._counted_early = True
         self._cold, self._pending_cold = self._pending_cold, {}
 
     def launched(self, attempt: Attempt) -> None:
@@ -216,7 +216,7 @@ class WarmPool:
     async def _prepare(self, config: ForkServerConfig, due: StandbyPlan) -> bool:
         """``forks.prepare``, with ``due`` known to ``begin`` meanwhile."""
         assert self.forks is not None
-        self._preparing, self._counted_early = (due, self.forks.failures["preload"]), False
+        self._preparing, self._counted_early = due, False
         try:
             return await self.forks.prepare(config)
         finally:
@@ -749,7 +749,13 @@ class WarmPool:
         return worker
 
     def cold_start(self, local_rank: int) -> Start:
-        return Start(cold_reason=self._cold.get(local_rank))
+        reason = self._cold.get(local_rank)
+        if reason is None and self._launches > 0 and self.forks is not None \
+                and self.preloading and self.forks.preload_failing:
+            # no standby because the node's fork server's last preload failed (however the
+            # restart and the server's retry raced): that is why this rank starts cold
+            reason = "preload_failed"
+        return Start(cold_reason=reason)
 
     def _await_store(self, spec: WorkerSpec) -> tuple[str, int, float] | None:
         """For a preloaded warm rank other than 0 on rank 0's node, once the job is known
