@@ -22,7 +22,7 @@ import anyio
 import pytest
 
 from tests.support.etcd import EtcdMember
-from tests.support.nodes import LOCAL, Node, assert_one_group, cluster, stop_all
+from tests.support.nodes import LOCAL, Cluster, Node, assert_one_group, cluster, stop_all
 from tests.support.processes import pid_alive
 
 etcd = pytest.mark.etcd
@@ -54,6 +54,13 @@ async def post_notice(port: int, body: bytes) -> tuple[int, dict[str, Any]]:
         return resp.status, json.loads(await resp.read())
 
 
+async def three_serving(job: Cluster) -> tuple[list[Node], list[int]]:
+    """Three nodes running one group, each serving HTTP; and their health ports."""
+    nodes = await job.start(3)
+    await job.groups(nodes, 3 * LOCAL)
+    return nodes, [await node.sup.serving() for node in nodes]
+
+
 def told(node: Node, after: float) -> list[dict[str, Any]]:
     return [e for e in node.events("membership_changed")
             if float(e["mono"]) > after and "told this node directly" in e["reason"]]
@@ -63,9 +70,7 @@ def told(node: Node, after: float) -> list[dict[str, Any]]:
 async def test_a_leave_while_etcd_commits_nothing_is_told_to_the_peers_directly(
         tmp_path: Path, server: EtcdMember) -> None:
     async with cluster(tmp_path, server.endpoint, nnodes="2:3", conf=CONF) as job:
-        nodes = await job.start(3)
-        await job.groups(nodes, 3 * LOCAL)
-        ports = [await node.sup.serving() for node in nodes]
+        nodes, ports = await three_serving(job)
         leaver, others = nodes[2], nodes[:2]
         rdzv = (await status(ports[2]))["rendezvous"]
         leaver_id = rdzv["members"][rdzv["group_rank"]]
@@ -101,9 +106,7 @@ async def test_a_leave_while_etcd_commits_nothing_is_told_to_the_peers_directly(
 async def test_a_notice_the_named_node_does_not_confirm_changes_nothing(
         tmp_path: Path, server: EtcdMember) -> None:
     async with cluster(tmp_path, server.endpoint, nnodes="3", conf=CONF) as job:
-        nodes = await job.start(3)
-        await job.groups(nodes, 3 * LOCAL)
-        ports = [await n.sup.serving() for n in nodes]
+        nodes, ports = await three_serving(job)
         docs = [await status(p) for p in ports]
         members, round_ = docs[0]["rendezvous"]["members"], docs[0]["rendezvous"]["round"]
         i = next(i for i, d in enumerate(docs) if d["rendezvous"]["group_rank"] == 0)
