@@ -51,6 +51,7 @@ NoticeSink = Callable[[object], tuple[int, dict[str, Any]]]
 CLEANUP_TIMEOUT = 5.0
 SHUTDOWN_TIMEOUT = 1.0  # in-flight requests are tiny; do not hold a stop for them
 MAX_REQUEST_BODY = 1024  # a leave notice is the only body ever read: ~100 bytes
+BODY_DEADLINE = 2.0  # seconds a leave notice's body may take to arrive after its headers
 MAX_CONNECTIONS = 64  # probes and scrapers need a handful; the rest go to the workers
 # seconds a connection has to deliver a complete request, from its opening or from its last
 # response: a slow or silent client (slowloris) is closed, so it cannot hold one of the
@@ -146,7 +147,17 @@ class HealthApp:
             return _json_response({"accepted": False, "reason": "this node's rendezvous "
                                    "backend takes no leave notices"}, 409)
         try:
-            doc = json.loads(await request.read())
+            # bounded: a handler's connection is busy, never closed for room at the cap,
+            # so a client trickling its body must not hold one for long
+            with anyio.fail_after(BODY_DEADLINE):
+                body = await request.read()
+        except TimeoutError:
+            late = _json_response({"accepted": False,
+                                   "reason": f"no complete body within {BODY_DEADLINE:g}s"}, 408)
+            late.force_close()  # the rest of the body is never read: the connection goes
+            return late
+        try:
+            doc = json.loads(body)
         except (ValueError, RecursionError):
             return _json_response({"accepted": False, "reason": "the body is not JSON"}, 400)
         status, answer = self._notices(doc)

@@ -441,6 +441,27 @@ async def test_a_leave_notice_without_an_etcd_backend_is_refused_409() -> None:
             assert (await resp.json())["accepted"] is False
 
 
+async def test_a_leave_notice_whose_body_never_comes_is_answered_408() -> None:
+    """The handler's connection is busy (never closed for room at the cap): a body that
+    does not come must not hold it; without the bound this waits forever."""
+    received: list[object] = []
+
+    def sink(doc: object) -> tuple[int, dict[str, Any]]:
+        received.append(doc)
+        return 202, {"accepted": True}
+
+    with anyio.fail_after(10):
+        async with running_server(Harness(), notices=sink) as (_, port), \
+                await anyio.connect_tcp("127.0.0.1", port) as stream:
+            await stream.send(b"POST /leave-notice HTTP/1.1\r\nHost: x\r\n"
+                              b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            reply = b""
+            while b"\r\n" not in reply:  # the status line (aiohttp lingers to close)
+                reply += await stream.receive()
+    assert b" 408 " in reply.split(b"\r\n")[0], reply[:200]
+    assert received == []
+
+
 @pytest.mark.parametrize(("body", "status"), [
     (b"{", 400), (b"[" * 1000, 400), (b"\xff\xfe", 400), (b"x" * 2000, 413)])
 async def test_a_leave_notice_that_is_not_json_is_refused_and_never_reaches_the_sink(
