@@ -16,6 +16,7 @@ import supervisor.lean  # noqa: F401  -- before the first aiohttp import
 # isort: split
 import json
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -39,6 +40,7 @@ from supervisor.rendezvous.etcd_cutoff import MAX_STATUS, CutoffCheck
 logger = logging.getLogger(__name__)
 
 TIMEOUT = 1.0  # s per request: a health endpoint answers in milliseconds when it is up
+RECHECK = 1.0  # s before a notice the named node denied may be checked again
 PATH = "/leave-notice"
 
 
@@ -55,7 +57,10 @@ class LeaveNotices:
         self._on_peer_left = on_peer_left
         self._checks: TaskGroup | None = None  # while ``run`` runs
         self._session: aiohttp.ClientSession | None = None
-        self._seen: set[LeaveNotice] = set()  # checked once each: at most NOTIFY a round
+        # when each notice (at most NOTIFY a round) may be checked again: inf while its
+        # check runs and once confirmed; RECHECK after the named node denied it (a forged
+        # notice must not keep the real one out, nor make this node ask without pause)
+        self._next_check: dict[LeaveNotice, float] = {}
         self.counts = {"received": 0, "refused": 0, "confirmed": 0, "unconfirmed": 0}
 
     # hearing
@@ -71,11 +76,14 @@ class LeaveNotices:
                     members=self._peers.members)
         if why is not None:
             return self._refuse(409, why)
-        if notice not in self._seen:
+        now = time.monotonic()
+        if now >= self._next_check.get(notice, now):
             if self._checks is None or self._session is None:
                 return self._refuse(503, "not ready to check notices")
-            self._checks.start_soon(self._check, self._session, notice, time.monotonic())
-            self._seen = {n for n in self._seen if n.round >= notice.round} | {notice}
+            self._checks.start_soon(self._check, self._session, notice, now)
+            self._next_check = {n: t for n, t in self._next_check.items()
+                                if n.round >= notice.round}
+            self._next_check[notice] = math.inf
             logger.info("%s says it left round %d; asking it", notice.node, notice.round)
         return 202, {"accepted": True, "node": notice.node, "round": notice.round}
 
@@ -108,6 +116,8 @@ class LeaveNotices:
                 logger.debug("%s at %s did not answer: %s", notice.node, url, exc)
         if not confirms_leave(doc, self._run_id, notice.round):
             self.counts["unconfirmed"] += 1
+            if notice in self._next_check:
+                self._next_check[notice] = time.monotonic() + RECHECK
             logger.info("%s did not confirm that it left round %d (at %s): notice ignored",
                         notice.node, notice.round, url or "no known URL")
             return

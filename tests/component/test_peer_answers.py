@@ -5,6 +5,8 @@ counts as no answer and never escapes into the rendezvous' task group."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -13,10 +15,11 @@ import anyio
 import pytest
 from aiohttp import web
 
-from supervisor.core.leave_notice import notice_body
-from supervisor.rendezvous.etcd_client import EtcdClient
+from supervisor.core.leave_notice import GRACE, notice_body
+from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
 from supervisor.rendezvous.etcd_cutoff import CutoffCheck, _health_url
-from supervisor.rendezvous.leave_notice import LeaveNotices
+from supervisor.rendezvous.leave_notice import RECHECK, LeaveNotices
+from tests.support.ports import free_port
 
 RUN = "job-1"
 DEEP = b"[" * 60_000  # json.loads raises RecursionError, not ValueError
@@ -85,3 +88,53 @@ async def test_a_leave_notice_the_peer_answers_with_garbage_is_not_confirmed(
                     await anyio.sleep(0.01)
                 tg.cancel_scope.cancel()
     assert left == [] and notices.counts["confirmed"] == 0
+
+
+async def test_a_notice_denied_once_is_checked_again_later_but_not_without_pause() -> None:
+    """A forged notice (the named node still runs) must not keep that node's real notice
+    out, nor make this node ask it at the attacker's pace: a denied notice may be checked
+    again RECHECK seconds later. etcd here does not answer (a real client, a dead port)."""
+    answer = {"body": json.dumps({"run_id": RUN, "rendezvous": {"etcd": {"left_round": None}}})}
+    asked: list[float] = []
+    left: list[tuple[str, int]] = []
+
+    async def status(request: web.Request) -> web.Response:
+        asked.append(time.monotonic())
+        return web.Response(text=answer["body"], content_type="application/json")
+
+    async def etcd_answers(seconds: float) -> bool:
+        async with EtcdClient([f"http://127.0.0.1:{free_port()}"]) as client:
+            try:
+                await client.range("/", retry_window=0)
+            except EtcdError:
+                return False
+        return True
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        notices = LeaveNotices(check(url), RUN, "a", on_peer_left=lambda *a: left.append(a),
+                               etcd_answers=etcd_answers)
+        with anyio.fail_after(15):
+            async with anyio.create_task_group() as tg:
+                await tg.start(notices.run)
+                began = time.monotonic()
+                while notices.counts["unconfirmed"] == 0:  # the forged one, denied
+                    assert notices.receive(notice_body(RUN, "c", 3))[0] == 202
+                    await anyio.sleep(0.01)
+                answer["body"] = json.dumps(
+                    {"run_id": RUN, "rendezvous": {"etcd": {"left_round": 3}}})
+                while not left:  # the real one, sent again and again until it is acted on
+                    assert notices.receive(notice_body(RUN, "c", 3))[0] == 202
+                    await anyio.sleep(0.01)
+                tg.cancel_scope.cancel()
+    finally:
+        await runner.cleanup()
+    assert left == [("c", 3)]
+    assert len(asked) == 2 and asked[1] - asked[0] >= RECHECK, asked  # once denied, once more
+    assert time.monotonic() - began >= RECHECK + GRACE
