@@ -13,7 +13,11 @@ supervisor and load client together), to tell a saturated machine from a latency
 
 Targets (issue 5): p99 <= 10 ms, 0 errors, loaded restart latency within 1.5x unloaded.
 torchrun has no health server (its health check is a stub), so there is no torchrun
-column here. The load client runs on the same 2 cores as the supervisor and its workers.
+column here. The load client runs on the same 2 cores as the supervisor and its workers;
+with ``--supervisor-cgroup DIR`` (root) the supervisor and its workers run in that cgroup and
+the client outside it: a CPU-limited cgroup then stands in for a slower node probed from
+elsewhere (a pessimistic one: when the cgroup's quota runs out, everything in it waits,
+whatever its priority, also for work at idle priority such as a fork server's import).
 
     python benchmarks/health_under_load.py --duration 20
 """
@@ -74,7 +78,14 @@ def start_supervisor(
            "--log-dir", str(base / "logs"), *args.supervisor_flags.split(),
            str(base / "worker.py"), str(out),
            str(args.line_rate), str(crash_every)]
-    proc = subprocess.Popen(cmd, stdout=console, stderr=stderr, start_new_session=True)
+    procs_file = args.supervisor_cgroup / "cgroup.procs" if args.supervisor_cgroup else None
+
+    def enter_cgroup() -> None:  # in the child before exec: every worker inherits it
+        if procs_file is not None:
+            procs_file.write_text(str(os.getpid()))
+
+    proc = subprocess.Popen(cmd, stdout=console, stderr=stderr, start_new_session=True,
+                            preexec_fn=enter_cgroup if procs_file else None)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         log = (base / "supervisor.log").read_bytes()
@@ -178,6 +189,10 @@ def main() -> int:
                         help="nice value of the load client while it runs (root for < 0): "
                              "-10 keeps its own wait for a CPU out of the latencies, so "
                              "they show the supervisor's")
+    parser.add_argument("--supervisor-cgroup", type=Path, default=None,
+                        help="a cgroup directory (v1 cpu or v2, root) the supervisor and its "
+                             "workers run in, the load client outside it: a CPU-limited "
+                             "cgroup stands in for a slower node probed from elsewhere")
     parser.add_argument("--supervisor-flags", default="",
                         help="extra flags for the supervisor, e.g. '--preload torch' (its "
                              "standbys then import torch at idle priority between restarts)")
