@@ -31,6 +31,7 @@ from benchmarks.chaos_rig import (
     proc_state,
 )
 from supervisor.core.deadlines import PIPE_BUF, Rejected, parse_request
+from supervisor.health.server import REQUEST_DEADLINE
 
 
 def fifo_lines(rng: random.Random, targets: dict[str, int]) -> list[tuple[bytes, str]]:
@@ -373,7 +374,9 @@ class Faults:
     async def raw_garbage(self) -> None:
         junk = bytes(self.rig.rng.randrange(1, 256) for _ in range(self.rig.rng.randint(1, 200)))
         try:
-            with anyio.fail_after(10):
+            # junk of only CR and LF is blank lines before a request (RFC 9112 2.2): the
+            # server waits for the request and closes the connection at its deadline
+            with anyio.fail_after(REQUEST_DEADLINE + 5):
                 async with await anyio.connect_tcp("127.0.0.1", self.rig.port) as stream:
                     await stream.send(junk + b"\r\n\r\n")
                     reply = b""
