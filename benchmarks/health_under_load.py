@@ -78,14 +78,13 @@ def start_supervisor(
            "--log-dir", str(base / "logs"), *args.supervisor_flags.split(),
            str(base / "worker.py"), str(out),
            str(args.line_rate), str(crash_every)]
-    procs_file = args.supervisor_cgroup / "cgroup.procs" if args.supervisor_cgroup else None
+    cgroup = args.supervisor_cgroup
 
     def enter_cgroup() -> None:  # in the child before exec: every worker inherits it
-        if procs_file is not None:
-            procs_file.write_text(str(os.getpid()))
+        (cgroup / "cgroup.procs").write_text(str(os.getpid()))
 
     proc = subprocess.Popen(cmd, stdout=console, stderr=stderr, start_new_session=True,
-                            preexec_fn=enter_cgroup if procs_file else None)
+                            preexec_fn=enter_cgroup if cgroup else None)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         log = (base / "supervisor.log").read_bytes()
