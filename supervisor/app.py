@@ -65,6 +65,8 @@ from supervisor.preflight import (
     make_log_root,
     open_health_socket,
 )
+from supervisor.priority import describe as describe_priority
+from supervisor.priority import raise_loop_priority
 from supervisor.rendezvous.base import Rendezvous, RendezvousError
 from supervisor.rendezvous.registry import conf_barrier_timeout, make_rendezvous
 from supervisor.systemd import (
@@ -97,6 +99,11 @@ def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None)
     configure_logging(settings.log_level, settings.log_format)
     faulthandler.enable()  # a watchdog SIGABRT then leaves every thread's stack in the log
     SPAWNER.start()  # every child is forked from it (spawn.Spawner says why)
+    # after the spawner (workers are forked from it, at nice 0): /healthz stays prompt
+    # while a restart's interpreters start on a busy node
+    priority = raise_loop_priority(settings.loop_nice)
+    logger.log(logging.DEBUG if settings.loop_nice == 0 else logging.INFO, "%s",
+               describe_priority(priority))
     try:
         return anyio.run(supervise, settings, env).exit_code
     except ConfigError as exc:

@@ -85,6 +85,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     no_watchdog: bool = False
     hang_dump: str = "none"
     hang_state_timeout: float = 60.0
+    # the event loop's nice value (and its autogroup's), workers keep 0: supervisor/priority.py
+    loop_nice: int = -5
     no_warm_restart: bool = False  # restarted workers start in pre-started interpreters
     preload: list[str] = msgspec.field(default_factory=list)  # modules standbys import
     preload_after: float = 5.0  # standbys preload once every rank progressed, or after this
@@ -257,6 +259,7 @@ def validate(s: Settings) -> None:
         (s.exit_barrier_timeout >= 0, "exit_barrier_timeout: must be >= 0"),
         (s.progress_timeout > 0, f"progress_timeout: must be > 0, got {s.progress_timeout}"),
         (s.hang_state_timeout > 0, "hang_state_timeout: must be > 0"),
+        (-20 <= s.loop_nice <= 0, f"loop_nice: must be -20..0 (0: off), got {s.loop_nice}"),
         (s.health_port is None or 0 <= s.health_port <= 65535,
          f"health_port: must be 0..65535, got {s.health_port}"),
         (s.master_port is None or 0 <= s.master_port <= 65535,

@@ -266,6 +266,9 @@ async def _run_as_nobody(setpriv: str, base: Path) -> None:
                  for _ in range(2)]
         standbys = [int((await sup.err.expect(STANDBY)).group(1)) for _ in range(2)]
         assert {_uid(p) for p in [sup.pid, *first, *standbys]} == {NOBODY}
+        # not root: the event loop stays at nice 0, and the log says why
+        assert os.getpriority(os.PRIO_PROCESS, sup.pid) == 0
+        assert re.search(r"event loop at nice 0: cannot raise it .*CAP_SYS_NICE", sup.err.text())
         assert (await get(url + "/readyz"))[0] == 200
         sup.signal(signal.SIGUSR1)  # forwarded: rank 0 exits 3, the group restarts
         second = [int((await sup.out.expect(r"^ready \d (\d+) 1$")).group(1))

@@ -37,6 +37,8 @@ def test_torchrun_underscore_flags_and_script_args() -> None:
     ({"rdzv_backend": "etcd"}, "rdzv_endpoint"),
     ({"bogus": 1}, "unknown setting 'bogus'"),
     ({"hang_dump": "gdb"}, "hang_dump"),
+    ({"loop_nice": 1}, "loop_nice: must be -20..0"),
+    ({"loop_nice": -21}, "loop_nice: must be -20..0"),
     ({"no_watchdog": "maybe"}, "no_watchdog: expected a boolean"),
 ])
 def test_bad_values_name_the_key(layer: dict[str, object], message: str) -> None:
