@@ -99,11 +99,6 @@ def run_supervisor(settings: Settings, environ: Mapping[str, str] | None = None)
     configure_logging(settings.log_level, settings.log_format)
     faulthandler.enable()  # a watchdog SIGABRT then leaves every thread's stack in the log
     SPAWNER.start()  # every child is forked from it (spawn.Spawner says why)
-    # after the spawner (workers are forked from it, at nice 0): /healthz stays prompt
-    # while a restart's interpreters start on a busy node
-    priority = raise_loop_priority(settings.loop_nice)
-    logger.log(logging.DEBUG if settings.loop_nice == 0 else logging.INFO, "%s",
-               describe_priority(priority))
     try:
         return anyio.run(supervise, settings, env).exit_code
     except ConfigError as exc:
@@ -260,6 +255,10 @@ async def supervise(
     )
     for level, note in advisories(settings):  # after the checks: a failed start is one line
         logger.log(level, "%s", note)
+    if not embedded:  # this thread runs the loop; the spawner (workers) stays at nice 0
+        priority = raise_loop_priority(settings.loop_nice)  # /healthz ahead of a restart
+        logger.log(logging.DEBUG if settings.loop_nice == 0 else logging.INFO, "%s",
+                   describe_priority(priority))
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
                 local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
     logger.info("run %s: logs under %s", run_id, log_root / run_id)

@@ -47,7 +47,7 @@ class LoopPriority:
 
 
 def raise_loop_priority(nice: int) -> LoopPriority:
-    """Give the calling thread (the event loop's, before it runs) nice ``nice`` (< 0) and
+    """Give the calling thread (the event loop's) nice ``nice`` (< 0) and
     our autogroup the same; see the module docstring. Never raises."""
     tid = threading.get_native_id()
     current = os.getpriority(os.PRIO_PROCESS, tid)

@@ -299,6 +299,7 @@ PARSE_TIME_BAD: list[list[str]] = [
     *(["--hang-dump", v] for v in ["gdb", "signal:SIGFOO", "signal:"]),
     *(["--no-restart-exit-codes", v] for v in ["a,b", "300", "-1"]),
     *(["--signals-to-handle", v] for v in ["SIGFOO", "TERM"]),
+    *(["--loop-nice", v] for v in ["1", "-21", "x"]),
     ["--exit-barrier-timeout", "-5"], ["--hang-state-timeout", "0"],
     ["--numa-binding", "galaxy"], ["--log-level", "verbose"], ["--log-format", "xml"],
     ["--start-method", "thread"], ["--restart-exit-codes", "256"], ["--logs-specs", "x"],
