@@ -29,11 +29,14 @@ def threads(pid: int) -> dict[str, int]:
 
 
 def autogroup_nice(pid: int) -> int | None:
+    """None: no autogroup (a kernel without them, or the root group's: the file is empty
+    for a process whose session is init's, or that sits in a CPU cgroup of its own)."""
     try:
         with open(f"/proc/{pid}/autogroup", encoding="ascii") as f:
-            return int(f.read().split()[-1])
+            fields = f.read().split()
     except OSError:
         return None
+    return int(fields[-1]) if fields else None
 
 
 parent = os.getppid()
