@@ -55,11 +55,17 @@ def assert_workers_at_normal_priority(found: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("warm", [[], ["--preload", "json"]], ids=["standby", "forked"])
 async def test_loop_is_raised_and_workers_are_not(tmp_path: Path, warm: list[str]) -> None:
     args = ["--nproc-per-node", "2", "--max-restarts", "1", "--health-port", "0",
-            "--log-dir", str(tmp_path / "logs"), *warm, PROBE]
-    env = {"PROBE_FAIL_ATTEMPT": "0", "PROBE_DIR": str(tmp_path)}
+            "--log-dir", str(tmp_path / "logs"), "--log-level", "debug", *warm, PROBE]
+    go = tmp_path / "go"
+    env = {"PROBE_FAIL_ATTEMPT": "0", "PROBE_DIR": str(tmp_path), "PROBE_GO": str(go)}
     async with supervisor(args, env=env,
                           launcher=own_session()) as sup:
-        found = await records(sup, 4)  # attempt 0 cold, attempt 1 from standbys
+        found = await records(sup, 2)  # attempt 0, cold
+        if not warm:  # rank 0 fails once both standbys run (they start one after another)
+            for _ in range(2):
+                await sup.err.expect(r"standby for local rank \d started as pid \d+")
+        go.touch()
+        found += await records(sup, 2)  # attempt 1, from the standbys
         assert await sup.wait() == 0
     assert sorted((r["attempt"], r["rank"]) for r in found) == [(0, 0), (0, 1), (1, 0),
                                                                   (1, 1)]

@@ -2,7 +2,8 @@
 
 The supervisor's event loop is its main thread (thread id = pid); its other threads (the
 spawner, AnyIO's workers) are listed by id. On attempt ``PROBE_FAIL_ATTEMPT`` (none by default)
-rank 0 exits 3 once every rank of it has printed (each leaves a file in ``PROBE_DIR``);
+rank 0 exits 3 once every rank of it has printed (each leaves a file in ``PROBE_DIR``)
+and the file ``PROBE_GO`` names, if any, exists;
 every other run exits 0.
 """
 
@@ -61,7 +62,9 @@ if os.environ.get("PROBE_FAIL_ATTEMPT") == str(attempt):
     if os.environ["RANK"] == "0":
         ranks = int(os.environ["WORLD_SIZE"])
         deadline = time.monotonic() + 30
-        while (len([n for n in os.listdir(where) if n.startswith(f"{attempt}.")]) < ranks
+        go = os.environ.get("PROBE_GO")  # a file the test makes when it is time to fail
+        while ((len([n for n in os.listdir(where) if n.startswith(f"{attempt}.")]) < ranks
+                or (go is not None and not os.path.exists(go)))
                and time.monotonic() < deadline):
             time.sleep(0.01)
         raise SystemExit(3)
