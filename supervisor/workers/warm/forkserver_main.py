@@ -333,14 +333,14 @@ def _set_autogroup_nice(nice: int, _thread: "Any") -> bool:
     Only a group we lead (the supervisor starts us in a session of our own) and only
     from nice 0 to 19 and back: neither needs a privilege. Without ``CAP_SYS_ADMIN``
     the kernel takes one such write per 100 ms on the whole machine (``EAGAIN``
-    otherwise), so a write is tried for up to a second. Nothing happens without
+    otherwise), so a write is tried for up to 3 s. Nothing happens without
     autogroups (the file is missing or empty) or in a CPU cgroup of our own (the
     group's nice value is then not used)."""
     if os.getsid(0) != os.getpid():
         return False
     pause = _thread.allocate_lock()
     pause.acquire()
-    for _ in range(50):
+    for _ in range(150):  # 3 s
         try:
             with open(AUTOGROUP, encoding="ascii") as f:
                 fields = f.read().split()  # "/autogroup-123 nice 0"
