@@ -352,7 +352,7 @@ def _set_autogroup_nice(nice: int, _thread: "Any") -> bool:
         except OSError as exc:
             if exc.errno != EAGAIN:
                 return False
-        except (ValueError, IndexError):
+        except ValueError:  # not a number where the nice value goes
             return False
         pause.acquire(timeout=0.02)
     return False
