@@ -389,9 +389,10 @@ def test_each_collapse_takes_the_huge_page_the_server_had_cleared() -> None:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     results = [line.split() for line in out.stdout.splitlines()]
-    assert len(results) == 8 and all(c == "True" for c, _ in results), out.stdout
-    # another huge-page allocation on this CPU in between may take one: not most of them
-    assert sum(same == "True" for _, same in results) >= 6, out.stdout
+    assert len(results) == 8, out.stdout
+    # a range may fail (EAGAIN: a page briefly pinned), or another huge-page allocation
+    # on this CPU may take the page in between: one or two, not most of them
+    assert sum(c == same == "True" for c, same in results) >= 6, out.stdout
 
 
 # ---------------------------------------------------------------------- unsafe preloads
