@@ -80,7 +80,18 @@ class Node:
                 group = by_round.setdefault((env["MASTER_PORT"], env["GROUP_RANK"]), {})
                 group[int(env["LOCAL_RANK"])] = env
                 if len(group) == LOCAL:
+                    await self._logged(env["MASTER_PORT"], env["TORCHELASTIC_RESTART_COUNT"])
                     return group
+
+    async def _logged(self, master_port: str, restart: str) -> None:
+        """Wait for the ``group_started`` event of the group whose lines were read: its
+        workers print as they start, and the daemon logs the event once every rank has
+        started, a little later; counting events at once could miss it (and then count it
+        as a restart later)."""
+        while not any(str(e["master_port"]) == master_port
+                      and str(e["restart_count"]) == restart
+                      for e in self.events("group_started")):
+            await anyio.sleep(0.01)  # polls the file; the caller's timeout bounds it
 
 
 class Cluster:
