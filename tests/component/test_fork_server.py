@@ -344,13 +344,7 @@ server = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(server)
 os.sched_setaffinity(0, {os.sched_getaffinity(0).pop()})  # one CPU's free list
 HUGE = server.HUGE_PAGE
-libc = ctypes.CDLL(None, use_errno=True)
-madvise, c_mmap, c_munmap = libc.madvise, libc.mmap, libc.munmap
-madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-c_mmap.restype = ctypes.c_void_p
-c_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_long]
-c_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+madvise, c_mmap, c_munmap = server._memory_calls()
 pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
 
 def frame(addr):

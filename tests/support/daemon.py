@@ -54,6 +54,12 @@ class Stream:
                     raise AssertionError(f"stream closed before {pattern!r}:\n" + self.text())
                 await self._changed.wait()
 
+    async def next_line(self) -> None:
+        """Until one more line comes; raises if the stream has closed."""
+        if self.closed:
+            raise AssertionError("stream closed:\n" + self.text())
+        await self._changed.wait()
+
     def text(self) -> str:
         return "\n".join(self.lines)
 

@@ -87,11 +87,13 @@ class Node:
         """Wait for the ``group_started`` event of the group whose lines were read: its
         workers print as they start, and the daemon logs the event once every rank has
         started, a little later; counting events at once could miss it (and then count it
-        as a restart later)."""
+        as a restart later). The daemon logs the launch on stderr after it has written the
+        event, so each new stderr line is the moment to look again; the caller's timeout
+        bounds the wait."""
         while not any(str(e["master_port"]) == master_port
                       and str(e["restart_count"]) == restart
                       for e in self.events("group_started")):
-            await anyio.sleep(0.01)  # polls the file; the caller's timeout bounds it
+            await self.sup.err.next_line()
 
 
 class Cluster:

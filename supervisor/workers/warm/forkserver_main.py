@@ -434,15 +434,7 @@ def _collapse() -> int:
         return 0
     if total < COLLAPSE_MIN:
         return 0
-    import ctypes  # only for a preload as large as this; torch has imported it already
-
-    libc = _libc()
-    madvise, mmap, munmap = libc.madvise, libc.mmap, libc.munmap
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    mmap.restype = ctypes.c_void_p
-    mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                     ctypes.c_int, ctypes.c_long]
-    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    madvise, mmap, munmap = _memory_calls()
     for start, end in regions:
         first = -(-start // HUGE_PAGE) * HUGE_PAGE
         last = end // HUGE_PAGE * HUGE_PAGE
@@ -453,6 +445,21 @@ def _collapse() -> int:
             _warm_huge_page(mmap, munmap, madvise)
             madvise(page, HUGE_PAGE, MADV_COLLAPSE)
     return _anon_huge_mib()
+
+
+def _memory_calls() -> tuple[Any, Any, Any]:
+    """The C library's ``madvise``, ``mmap`` and ``munmap``, typed for addresses (only for
+    a preload as large as a collapse needs: torch has imported ``ctypes`` already)."""
+    import ctypes
+
+    libc = _libc()
+    madvise, mmap, munmap = libc.madvise, libc.mmap, libc.munmap
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    mmap.restype = ctypes.c_void_p
+    mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                     ctypes.c_int, ctypes.c_long]
+    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return madvise, mmap, munmap
 
 
 def _warm_huge_page(mmap: Any, munmap: Any, madvise: Any) -> None:
