@@ -415,6 +415,17 @@ def proc_state(pid: int) -> str | None:
         return None
 
 
+def describe_process(pid: int) -> str:
+    """State, wait channel and command line of a process, for a diagnosis."""
+    try:
+        proc = Path(f"/proc/{pid}")
+        wchan = (proc / "wchan").read_text()
+        cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "gone"
+    return f"state {proc_state(pid)}, wchan {wchan or '-'}, cmdline {cmdline.strip()[:160]!r}"
+
+
 def metric_samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     samples = {}
     for family in text_string_to_metric_families(text):
@@ -588,7 +599,34 @@ class Rig:
         return len(self.board.ready.get(restart, {})) == workers
 
     async def wait_group(self, restart: int) -> None:
-        await self.board.wait_for(f"group {restart} up", lambda: self.group_up(restart))
+        try:
+            await self.board.wait_for(f"group {restart} up", lambda: self.group_up(restart))
+        except TimeoutError as exc:
+            raise TimeoutError(f"{exc}; {self.group_diagnosis(restart)}") from None
+
+    def group_diagnosis(self, restart: int) -> str:
+        """What a group that never came up was doing: the ranks that reported, the pids its
+        ``group_started`` event named with each process's state, kernel wait channel and
+        command line, and the supervisor's last lines (a CI run once saw group 7 start
+        but never report, and said no more)."""
+        reported = sorted(self.board.ready.get(restart, {}))
+        lines = [f"ranks that reported: {reported}"]
+        started = [e for e in self.board.events_named("group_started")
+                   if int(e["restart_count"]) == restart]
+        lines.append(f"group_started events for restart {restart}: {len(started)}")
+        for event in started[-1:]:
+            for rank, pid in sorted(event.get("pids", {}).items()):
+                lines.append(f"  rank {rank} pid {pid}: {describe_process(int(pid))}")
+        scheduled = self.board.events_named("restart_scheduled")
+        lines.append(f"last restart_scheduled: {scheduled[-1] if scheduled else None}")
+        lines.append(f"last events: {[e['event'] for e in self.board.events[-12:]]}")
+        try:
+            tail = (self.root / "supervisor.err").read_text(errors="replace").splitlines()[-25:]
+        except OSError as err:
+            tail = [f"(supervisor.err unreadable: {err})"]
+        lines.append("supervisor.err, last lines:")
+        lines.extend(f"  {line}" for line in tail)
+        return "\n".join(lines)
 
     def etcd_members(self) -> set[str]:
         """The etcd members' client addresses (``host:port``); none without ``--etcd``."""
