@@ -9,7 +9,10 @@ and the group restarts; its replacement records when it came up. Two runs:
    health_load.py) -> HTTP p50/p99/errors and the restart latency under load.
 
 Each run also reports the machine's CPU busy share over its window (all cores: workers,
-supervisor and load client together), to tell a saturated machine from a latency tail.
+supervisor and load client together), to tell a saturated machine from a latency tail,
+the share the host stole from those CPUs (a virtual machine's vCPU not running), and how
+long the supervisor's event-loop thread waited for a CPU while runnable (its schedstat):
+what a run with an outlying tail was up against.
 
 Targets (issue 5): p99 <= 10 ms, 0 errors, loaded restart latency within 1.5x unloaded.
 torchrun has no health server (its health check is a stub), so there is no torchrun
@@ -154,6 +157,28 @@ def busy_share(before: list[Any], after: list[Any], cpus: set[int] | None) -> fl
     return 1.0 - idle / total if total > 0 else float("nan")
 
 
+def steal_share(before: list[Any], after: list[Any], cpus: set[int] | None) -> float:
+    """The share of CPU time the host took from this virtual machine (``steal``) between
+    two ``psutil.cpu_times(percpu=True)``, over ``cpus``: a vCPU not running stalls
+    whatever it was running, the supervisor's loop included."""
+    total = steal = 0.0
+    for cpu, (b, a) in enumerate(zip(before, after, strict=True)):
+        if cpus is None or cpu in cpus:
+            total += sum(a) - sum(b)
+            steal += getattr(a, "steal", 0.0) - getattr(b, "steal", 0.0)
+    return steal / total if total > 0 else float("nan")
+
+
+def run_delay(pid: int) -> float:
+    """Seconds the thread ``pid`` (the supervisor's event loop) has spent runnable but
+    waiting for a CPU (``/proc/PID/schedstat``); NaN where the kernel does not keep it."""
+    try:
+        with open(f"/proc/{pid}/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
 def cpu_list(text: str) -> set[int]:
     """``0``, ``0,2`` or ``0-3`` (the cpuset list format) -> a set of CPU numbers."""
     cpus: set[int] = set()
@@ -173,7 +198,7 @@ def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[
         try:
             wait_serving(port, settle=args.settle)
             http: dict[str, object] = {}
-            before = psutil.cpu_times(percpu=True)
+            before, delay = psutil.cpu_times(percpu=True), run_delay(proc.pid)
             if loaded:
                 if args.client_nice:  # this process only: the supervisor keeps nice 0
                     os.setpriority(os.PRIO_PROCESS, 0, args.client_nice)
@@ -183,13 +208,17 @@ def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[
                     http = report(results, args.rate, as_json=True)
             else:
                 time.sleep(args.duration)
-            busy = busy_share(before, psutil.cpu_times(percpu=True), args.supervisor_cpus)
+            after = psutil.cpu_times(percpu=True)
+            busy = busy_share(before, after, args.supervisor_cpus)
+            steal = steal_share(before, after, args.supervisor_cpus)
+            delay = run_delay(proc.pid) - delay
         finally:
             if args.client_nice:
                 os.setpriority(os.PRIO_PROCESS, 0, 0)
             stop(proc)
         lat = restart_latencies(base / "out")
-        return {"loaded": loaded, "restarts": len(lat), "cpu_busy": busy,
+        return {"loaded": loaded, "restarts": len(lat), "cpu_busy": busy, "cpu_steal": steal,
+                "loop_run_delay_ms": delay * 1000,
                 "restart_p50_ms": statistics.median(lat) if lat else float("nan"),
                 "restart_max_ms": max(lat) if lat else float("nan"), "http": http}
 
@@ -252,6 +281,10 @@ def main() -> int:
     where = "all cores" if args.supervisor_cpus is None else "the supervisor's CPUs"
     print(f"| CPU busy ({where}) | {flood['cpu_busy']:.0%} | "
           f"{loaded['cpu_busy']:.0%} | |")
+    print(f"| CPU stolen by the host (the same CPUs) | {flood['cpu_steal']:.1%} | "
+          f"{loaded['cpu_steal']:.1%} | |")
+    print(f"| event loop waiting for a CPU, ms in all | {flood['loop_run_delay_ms']:.0f} | "
+          f"{loaded['loop_run_delay_ms']:.0f} | |")
     print(f"| crash -> restarted rank 0, median ms | unloaded: {unloaded['restart_p50_ms']:.1f} "
           f"({unloaded['restarts']} restarts) | under load: {loaded['restart_p50_ms']:.1f} "
           f"({loaded['restarts']} restarts) | |")

@@ -97,7 +97,7 @@ def _run_parser() -> argparse.ArgumentParser:
     _flag(p, "hang-dump", help="none, py-spy or signal:SIGUSR1 before killing a hung rank")
     _flag(p, "hang-state-timeout", type=float, help="D state longer than this is fatal (60 s)")
     _flag(p, "loop-nice", type=int,
-          help="nice value of the event loop ahead of its workers (-10; 0 = off; "
+          help="nice value of the event loop ahead of its workers (-15; 0 = off; "
                "needs CAP_SYS_NICE or LimitNICE=)")
     _flag(p, "no-warm-restart", action="store_const", const=True,
           help="start restarted workers cold, not in pre-started interpreters")

@@ -86,7 +86,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     hang_dump: str = "none"
     hang_state_timeout: float = 60.0
     # the event loop's nice value (and its autogroup's), workers keep 0: supervisor/priority.py
-    loop_nice: int = -10
+    loop_nice: int = -15
     no_warm_restart: bool = False  # restarted workers start in pre-started interpreters
     preload: list[str] = msgspec.field(default_factory=list)  # modules standbys import
     preload_after: float = 5.0  # standbys preload once every rank progressed, or after this

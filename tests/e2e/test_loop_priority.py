@@ -1,6 +1,6 @@
 """The event loop runs ahead of the workers it starts, and the workers do not (issue 29).
 
-As root the daemon's event-loop thread gets ``--loop-nice`` (default -10) and, when it
+As root the daemon's event-loop thread gets ``--loop-nice`` (default -15) and, when it
 leads its own session, its autogroup too; every other thread of it, every worker (cold,
 from a standby, forked from the fork server) and every worker's autogroup stays at nice
 0, ``SCHED_OTHER``, without ``SCHED_RESET_ON_FORK``. A supervisor started inside someone
@@ -70,9 +70,9 @@ async def test_loop_is_raised_and_workers_are_not(tmp_path: Path, warm: list[str
     assert sorted((r["attempt"], r["rank"]) for r in found) == [(0, 0), (0, 1), (1, 0),
                                                                   (1, 1)]
     assert {r["parent"] for r in found} == {sup.pid}
-    assert {(r["loop_nice"], r["parent_autogroup"]) for r in found} == {(-10, -10)}
+    assert {(r["loop_nice"], r["parent_autogroup"]) for r in found} == {(-15, -15)}
     assert_workers_at_normal_priority(found)
-    assert "event loop at nice -10 (its autogroup too, nice -10)" in sup.err.text()
+    assert "event loop at nice -15 (its autogroup too, nice -15)" in sup.err.text()
     started = [e for e in _events(tmp_path) if e["event"] == "group_started"]
     assert started[1].get("warm") == [0, 1]  # attempt 1 really ran in the standbys
 
@@ -96,13 +96,13 @@ async def test_someone_elses_session_keeps_its_autogroup(tmp_path: Path) -> None
     async with supervisor(args) as sup:  # in this test's session
         (found,) = await records(sup, 1)
         assert await sup.wait() == 0
-    assert found["loop_nice"] == -10
+    assert found["loop_nice"] == -15
     # empty where this session is init's (the root group: no autogroup to raise)
     assert found["parent_autogroup"] == (int(before.split()[-1]) if before.strip() else None)
     with open("/proc/self/autogroup", encoding="ascii") as f:
         assert f.read() == before
     assert_workers_at_normal_priority([found])
-    assert "event loop at nice -10; workers start at nice 0" in sup.err.text()
+    assert "event loop at nice -15; workers start at nice 0" in sup.err.text()
 
 
 async def test_a_nice_value_given_at_start_is_kept(tmp_path: Path) -> None:
