@@ -621,8 +621,8 @@ class Rig:
         started = [e for e in self.board.events_named("group_started")
                    if int(e["restart_count"]) == restart]
         lines.append(f"group_started events for restart {restart}: {len(started)}")
-        for event in started[-1:]:
-            for rank, pid in sorted(event.get("pids", {}).items()):
+        if started:
+            for rank, pid in sorted(started[-1].get("pids", {}).items()):
                 lines.append(f"  rank {rank} pid {pid}: {describe_process(int(pid))}")
         scheduled = self.board.events_named("restart_scheduled")
         lines.append(f"last restart_scheduled: {scheduled[-1] if scheduled else None}")

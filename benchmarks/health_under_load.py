@@ -146,27 +146,20 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
-def busy_share(before: list[Any], after: list[Any], cpus: set[int] | None) -> float:
-    """The share of CPU time not idle between two ``psutil.cpu_times(percpu=True)``, over
-    ``cpus`` (all when None): how close the load comes to saturating those cores."""
-    total = idle = 0.0
+def cpu_shares(before: list[Any], after: list[Any], cpus: set[int] | None) -> tuple[float, float]:
+    """Between two ``psutil.cpu_times(percpu=True)``, over ``cpus`` (all when None): the
+    share of CPU time not idle (how close the load comes to saturating those cores) and
+    the share the host took from this virtual machine (``steal``: a vCPU not running
+    stalls whatever it was running, the supervisor's loop included)."""
+    total = idle = steal = 0.0
     for cpu, (b, a) in enumerate(zip(before, after, strict=True)):
         if cpus is None or cpu in cpus:
             total += sum(a) - sum(b)
             idle += (a.idle - b.idle) + (a.iowait - b.iowait)
-    return 1.0 - idle / total if total > 0 else float("nan")
-
-
-def steal_share(before: list[Any], after: list[Any], cpus: set[int] | None) -> float:
-    """The share of CPU time the host took from this virtual machine (``steal``) between
-    two ``psutil.cpu_times(percpu=True)``, over ``cpus``: a vCPU not running stalls
-    whatever it was running, the supervisor's loop included."""
-    total = steal = 0.0
-    for cpu, (b, a) in enumerate(zip(before, after, strict=True)):
-        if cpus is None or cpu in cpus:
-            total += sum(a) - sum(b)
             steal += getattr(a, "steal", 0.0) - getattr(b, "steal", 0.0)
-    return steal / total if total > 0 else float("nan")
+    if total <= 0:
+        return float("nan"), float("nan")
+    return 1.0 - idle / total, steal / total
 
 
 def run_delay(pid: int) -> float:
@@ -209,8 +202,7 @@ def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[
             else:
                 time.sleep(args.duration)
             after = psutil.cpu_times(percpu=True)
-            busy = busy_share(before, after, args.supervisor_cpus)
-            steal = steal_share(before, after, args.supervisor_cpus)
+            busy, steal = cpu_shares(before, after, args.supervisor_cpus)
             delay = run_delay(proc.pid) - delay
         finally:
             if args.client_nice:
