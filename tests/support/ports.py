@@ -11,7 +11,9 @@ import socket
 # the kernel and closed again could be given to any of them before its caller binds it.
 # Each xdist worker takes its own block, so two workers never hand out the same port; and
 # torchrun's default store port (29500) lies outside every block.
-BASE = 21000
+# ELASTIC_SUPERVISOR_TEST_PORT_BASE moves the blocks, for two suites run at once on one
+# machine (each xdist worker of each suite still gets a block of its own).
+BASE = int(os.environ.get("ELASTIC_SUPERVISOR_TEST_PORT_BASE", "21000"))
 BLOCK = 1000
 BLOCKS = 8
 
