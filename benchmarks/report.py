@@ -1,7 +1,8 @@
 """Run every side-by-side benchmark against torchrun and write docs/benchmarks.md.
 
-    python benchmarks/report.py            # full report, about 12-15 minutes on 2 cores
-    python benchmarks/report.py --quick    # smoke run of the same pipeline, a few minutes
+    python benchmarks/report.py                   # full report, about 12-15 minutes on 2 cores
+    python benchmarks/report.py --quick           # smoke run of the same pipeline, a few minutes
+    python benchmarks/report.py --only recovery   # rerun one section, keep the others as they are
 
 Each benchmark is its own script (see benchmarks/README.md) and measures elastic-supervisor
 and torchrun in the same run; this driver runs them one after the other, keeps their
@@ -30,6 +31,7 @@ DOCS = REPO / "docs"
 
 @dataclass
 class Section:
+    name: str  # for --only
     title: str
     script: str
     args: list[str]
@@ -42,17 +44,19 @@ class Section:
 
 def sections(quick: bool) -> list[Section]:
     return [
-        Section("Restart latency, launch latency, RSS, idle CPU", "run_all.py", [], ["--quick"]),
-        Section("Worker output: throughput and integrity", "log_throughput.py",
+        Section("latency", "Restart latency, launch latency, RSS, idle CPU", "run_all.py", [],
+                ["--quick"]),
+        Section("output", "Worker output: throughput and integrity", "log_throughput.py",
                 ["--repeat", "3"], ["--repeat", "1", "--lines", "50000"], json_flag=False),
-        Section("Hang detection (deadline FIFO)", "hang_bench.py", ["--runs", "30"],
+        Section("hang", "Hang detection (deadline FIFO)", "hang_bench.py", ["--runs", "30"],
                 ["--runs", "4"]),
-        Section("Health endpoint under load", "health_under_load.py", ["--duration", "20"],
-                ["--duration", "5"]),
-        Section("Recovery of a real DDP job (crash -> first step of the next attempt)",
+        Section("health", "Health endpoint under load", "health_under_load.py",
+                ["--duration", "20"], ["--duration", "5"]),
+        Section("recovery", "Recovery of a real DDP job (crash -> first step of the next attempt)",
                 "recovery.py", ["--reps", "10"],
                 ["--reps", "2", "--ranks", "2", "--crashes", "exit", "--torchrun-runs", "3"]),
-        Section("Rendezvous and scale-up (etcd vs torchrun c10d)", "rendezvous_bench.py",
+        Section("rendezvous", "Rendezvous and scale-up (etcd vs torchrun c10d)",
+                "rendezvous_bench.py",
                 ["--reps", "1", "--sizes", "2,4,8,16", "--scale-window", "5",
                  "--loss-window", "5"], ["--quick"], json_flag=False),
     ]
@@ -162,6 +166,28 @@ def _plot_hang(plt: object, data: dict[str, object], out: Path) -> list[str]:
     return [path.name]
 
 
+def _section_text(section: Section) -> list[str]:
+    return [f"## {section.title}", "",
+            f"`python benchmarks/{section.script}` ({section.seconds:.0f} s)", "",
+            section.text, ""]
+
+
+def replace_sections(sections_run: list[Section], path: Path) -> None:
+    """Put each section's new text where its ``## title`` stands in ``path`` (appended when
+    the report has no such section yet); every other section stays as it was."""
+    text = path.read_text() if path.exists() else "# Benchmarks: elastic-supervisor vs torchrun\n"
+    for section in sections_run:
+        heading = f"## {section.title}\n"
+        new = "\n".join(_section_text(section))
+        start = text.find(heading)
+        if start < 0:
+            text = text.rstrip("\n") + "\n\n" + new
+            continue
+        end = text.find("\n## ", start + len(heading))
+        text = text[:start] + new + ("\n" + text[end + 1:] if end >= 0 else "")
+    path.write_text(text)
+
+
 def write(sections_run: list[Section], images: list[str], quick: bool, path: Path) -> None:
     load = os.getloadavg()
     head = [
@@ -177,9 +203,7 @@ def write(sections_run: list[Section], images: list[str], quick: bool, path: Pat
     ]
     body: list[str] = []
     for section in sections_run:
-        body += [f"## {section.title}", "",
-                 f"`python benchmarks/{section.script}` ({section.seconds:.0f} s)", "",
-                 section.text, ""]
+        body += _section_text(section)
     plots = [f"![{name}]({name})" for name in images]
     path.write_text("\n".join([*head, *plots, "", *body]))
 
@@ -188,12 +212,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=DOCS / "benchmarks.md")
+    parser.add_argument("--only", default="",
+                        help="comma-separated section names to rerun in place: "
+                             + ", ".join(s.name for s in sections(False)))
     args = parser.parse_args()
     chosen = sections(args.quick)
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {s.name for s in chosen}
+        if unknown:
+            parser.error(f"unknown section(s): {', '.join(sorted(unknown))}")
+        chosen = [s for s in chosen if s.name in wanted]
     with tempfile.TemporaryDirectory(prefix="bench-report-") as tmp:
         for section in chosen:
             run(section, args.quick, Path(tmp))
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.only:
+        replace_sections(chosen, args.out)
+        print(f"updated {args.out}: {', '.join(s.title for s in chosen)}")
+        return 0
     images = plot(chosen, args.out.parent)
     write(chosen, images, args.quick, args.out)
     print(f"wrote {args.out} ({sum(s.seconds for s in chosen):.0f} s of benchmarks)")
