@@ -245,10 +245,17 @@ class Controller:
             signal_workers(workers, command.signum)
             self.events.emit("signal_forwarded", signal=signame(command.signum))
         else:
-            logger.info("reopening log files")
-            self.events.reopen()
-            self.output.reopen()
-            self.events.emit("logs_reopened")
+            assert self._tg is not None
+            self._tg.start_soon(self._reopen_logs)
+
+    async def _reopen_logs(self) -> None:
+        """SIGHUP: the event log and the rank logs are opened again, off the event loop
+        (a worker can plant a FIFO at their paths; ``safepaths`` refuses it)."""
+        logger.info("reopening log files")
+        await self.events.reopen()
+        await self.output.reopen()
+        self.events.emit("logs_reopened")
+        logger.info("log files reopened")
 
     # ------------------------------------------------------------------ decisions
     def _execute(self, decision: sm.Decision) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.to_thread
 from anyio.abc import TaskStatus
 
 from supervisor.core.snapshot import cap_text
@@ -72,7 +73,7 @@ class EventLog:
         if self.path is None:
             return
         try:
-            self._fd = open_below(self.root or self.path.parent, self.path, create_dirs=True)
+            self._fd = self._open_fd()
         except OSError as exc:
             if not self._error:
                 logger.error("cannot open event log %s: %s", self.path, exc)
@@ -187,10 +188,29 @@ class EventLog:
         return (f"event log {self.path}: {self.dropped} event(s) lost, "
                 f"{len(self._pending)} not written{why}")
 
-    def reopen(self) -> None:
-        """Close and open the file again (after logrotate moved it); keeps what is pending."""
+    def _open_fd(self) -> int:
+        """The file, opened for append: never through a symlink, never blocking on a FIFO
+        a worker planted there (refused, as anything but a regular file: ``safepaths``)."""
+        assert self.path is not None
+        return open_below(self.root or self.path.parent, self.path, create_dirs=True)
+
+    async def reopen(self) -> None:
+        """Open the file again (after logrotate moved it) and write there from now on;
+        keeps what is pending. The open runs in a worker thread (the file system may
+        block); if it fails, the old file goes on being written, as for the rank logs."""
+        if self.path is None:
+            return
+        try:
+            fd = await anyio.to_thread.run_sync(self._open_fd)
+        except OSError as exc:
+            if self._fd < 0:  # no file to go on with: kept in memory and retried
+                self._failed(exc)
+            logger.warning("cannot reopen event log %s: %s; %s", self.path, exc,
+                           "still writing the old file" if self._fd >= 0 else
+                           "keeping events in memory")
+            return
         self._close_fd()
-        self._open()
+        self._fd = fd
         self.flush()
 
     def close(self) -> None:

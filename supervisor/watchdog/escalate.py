@@ -21,7 +21,10 @@ from types import TracebackType
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import msgspec
+
+from supervisor.safepaths import CREATE_NEW, open_in_dir
 
 logger = logging.getLogger(__name__)
 
@@ -250,9 +253,10 @@ async def _py_spy_dump(pid: int, spec: HangDump, path: Path | None) -> None:
         if result:
             logger.warning("hang dump of pid %d:\n%s", pid, result.decode(errors="replace"))
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # stacks can hold secrets: readable by the service's group at most, like the logs
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o640)
+    # stacks can hold secrets: readable by the service's group at most, like the logs; in
+    # the rank's directory, which its worker can write: a new regular file, never through
+    # a link or into a FIFO it planted, opened off the loop (safepaths)
+    fd = await anyio.to_thread.run_sync(open_in_dir, path, CREATE_NEW, 0o640)
     try:
         with open(fd, "wb") as out:
             await _run_bounded(command, out.fileno(), spec.timeout)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+import anyio.to_thread
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
@@ -167,12 +168,17 @@ class LogFile:
         self._lost = 0
         return True
 
-    def reopen(self) -> None:
-        """Continue in a fresh file at the same path; keep the old one if that fails."""
+    async def reopen(self) -> None:
+        """Continue in a fresh file at the same path; keep the old one if that fails. The
+        open runs in a worker thread: the file system may block (a FIFO planted there is
+        refused without blocking: ``safepaths``)."""
         try:
-            fd = _open_log(self.path, self.root)
+            fd = await anyio.to_thread.run_sync(_open_log, self.path, self.root)
         except OSError as exc:
             logger.warning("cannot reopen %s: %s; still writing the old file", self.path, exc)
+            return
+        if self.fd < 0:  # closed meanwhile: its output ended
+            os.close(fd)
             return
         os.close(self.fd)
         self.fd = fd
@@ -614,13 +620,11 @@ class OutputPlan:
         return self._filtered[key]
 
     # -------------------------------------------------------------- rotation, draining
-    def reopen(self) -> None:
+    async def reopen(self) -> None:
         """Reopen every open log file at its path (after logrotate moved it)."""
-        for pump in self._pumps:
-            if not pump.done.is_set():
-                pump.file.reopen()
-        for log_file in self._filtered.values():
-            log_file.reopen()
+        files = [p.file for p in self._pumps if not p.done.is_set()]
+        for log_file in [*files, *self._filtered.values()]:
+            await log_file.reopen()
 
     async def drain(self, dir_index: int, timeout: float = DRAIN_TIMEOUT) -> None:
         """Wait until the attempt's output is all written (EOF), at most ``timeout`` s."""

@@ -396,7 +396,7 @@ async def test_sighup_reopens_log_files_without_losing_lines(tmp_path: Path) -> 
         await sup.out.expect(r"^\[default0\]:got SIGUSR1 0$")
         log.rename(log.with_name("stdout.log.1"))  # what logrotate does
         sup.signal(signal.SIGHUP)
-        await sup.err.expect(r"reopening log files")
+        await sup.err.expect(r"log files reopened")
         sup.signal(signal.SIGUSR2)
         await sup.out.expect(r"^\[default0\]:got SIGUSR2 0$")
         assert log.read_text() == "got SIGUSR2 0\n"

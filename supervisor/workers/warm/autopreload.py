@@ -40,6 +40,7 @@ import tempfile
 from pathlib import Path
 
 from supervisor.core.envs import PER_ATTEMPT_ENV
+from supervisor.safepaths import replace_file
 
 logger = logging.getLogger(__name__)
 
@@ -90,17 +91,12 @@ def _module_names(values: list[object]) -> list[str]:
 
 def keep(run_dir: Path, names: list[str], excluded: set[str]) -> None:
     """Keep the node's list for the next run (written whole, then renamed: a reader never
-    sees half of it). A failure (a full disk) is one warning: the next run learns again."""
-    tmp = run_dir / f".{KEPT_NAME}.{os.getpid()}"
+    sees half of it; nothing a worker planted there is opened: ``safepaths.replace_file``).
+    A failure (a full disk) is one warning: the next run learns again."""
+    data = json.dumps({"names": names, "exclude": sorted(excluded)}).encode()
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump({"names": names, "exclude": sorted(excluded)}, f)
-        os.replace(tmp, run_dir / KEPT_NAME)
+        replace_file(run_dir / KEPT_NAME, data)
     except OSError as exc:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
         logger.warning("cannot keep --preload auto's list in %s: %s", run_dir, exc)
 
 
