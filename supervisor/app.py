@@ -82,6 +82,7 @@ from supervisor.watchdog.escalate import HangDump
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
 from supervisor.workers.group import WorkerGroup
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
+from supervisor.workers.nodecheck import CheckLauncher
 from supervisor.workers.output import OutputPlan, OutputSpecError
 from supervisor.workers.spawn import SPAWNER, DeathSignal
 from supervisor.workers.topology import cpus_for
@@ -232,6 +233,7 @@ async def supervise(
     )
     policy = restart_policy(settings)
     healing = make_healing(settings, rendezvous, events, base_env, run_id, log_root,
+                           launcher=CheckLauncher(death, guardian),
                            changed=lambda: view.publish())
     goodput = GoodputRecorder(
         events, progress, started=time.monotonic(), bound=settings.progress_timeout,

@@ -36,8 +36,7 @@ from supervisor.core import nodehealth as nh
 from supervisor.core import state as sm
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import NodeLedger, Rendezvous, RendezvousError
-from supervisor.workers.guardian import COOKIE_ENV
-from supervisor.workers.nodecheck import NodeCheckConfigError, NodeChecker
+from supervisor.workers.nodecheck import CheckLauncher, NodeCheckConfigError, NodeChecker
 
 logger = logging.getLogger(__name__)
 
@@ -264,20 +263,19 @@ def killed_from_outside(result: nh.CheckResult) -> bool:
 
 def make_healing(settings: Settings, rendezvous: Rendezvous, events: EventLog,
                  base_env: Mapping[str, str], run_id: str, log_root: Path, *,
-                 changed: Callable[[], None]) -> Healing:
+                 launcher: CheckLauncher, changed: Callable[[], None]) -> Healing:
     """Root causes always; node checks and quarantine when asked for (``healing_enabled``).
-    The check gets the rank-independent part of the workers' environment."""
+    The check gets the rank-independent part of the workers' environment (with the
+    guardian's cookie) and is started as they are (``launcher``)."""
     limits = healing_limits(settings)
     ledger = rendezvous.node_ledger(limits)
     checker = None
     if healing_enabled(settings):
-        # without the guardian's cookie: a group's sweep must not take it for a worker's
-        env = {k: v for k, v in base_env.items() if k != COOKIE_ENV}
-        env = {**env, "TORCHELASTIC_RUN_ID": run_id, "ELASTIC_SUPERVISOR_RUN_ID": run_id,
+        env = {**base_env, "TORCHELASTIC_RUN_ID": run_id, "ELASTIC_SUPERVISOR_RUN_ID": run_id,
                "ELASTIC_SUPERVISOR_NODE_ID": ledger.node, "ROLE_NAME": settings.role,
                "LOCAL_WORLD_SIZE": str(settings.local_world_size),
                "TORCHELASTIC_MAX_RESTARTS": str(settings.max_restarts)}
         checker = NodeChecker(node_check_argv(settings), env, settings.node_check_timeout,
-                              log_root)
+                              log_root, launcher)
     return Healing(limits, ledger, checker, events, interval=settings.node_check_interval,
                    retry=settings.node_check_retry, changed=changed)

@@ -28,6 +28,7 @@ from supervisor.core import state as sm
 from supervisor.core.envs import GroupLayout, worker_argv, worker_env
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import RendezvousResult
+from supervisor.workers import nodecheck
 from supervisor.workers.attemptdir import create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
 from supervisor.workers.guardian import Guardian
@@ -294,8 +295,8 @@ class WorkerGroup:
 
     def exempt(self) -> set[int]:
         """Our children a group's sweep must not kill: the guardian, the rendezvous's
-        children and the standbys."""
-        return self.exempt_pids | self.pool.pids()
+        children, the standbys and the node checks."""
+        return self.exempt_pids | self.pool.pids() | nodecheck.running_pids()
 
     def stopping(self, attempt: Attempt | None) -> None:
         """A stop of ``attempt`` was decided: from now on no standby is planned for it."""

@@ -4,6 +4,8 @@
 exists, <node> being $ELASTIC_SUPERVISOR_NODE_ID. ``--hang PIDFILE``: start a grandchild in
 the same process group, write both pids to PIDFILE, then sleep forever. ``--flood N``:
 print N bytes of output, then exit 1. ``--sleep S``: take S seconds first.
+``--setsid-helper PIDFILE``: start a helper in a session of its own that keeps stdout open,
+write "CHECK HELPER" pids to PIDFILE, then pass (exit 0) while the helper sleeps on.
 """
 
 from __future__ import annotations
@@ -20,10 +22,17 @@ def main() -> None:
     p.add_argument("--sick-dir", default=None)
     p.add_argument("--hang", default=None)
     p.add_argument("--flood", type=int, default=0)
+    p.add_argument("--setsid-helper", default=None)
     p.add_argument("--sleep", type=float, default=0.0, help="take this long (a slow check)")
     args = p.parse_args()
     time.sleep(args.sleep)
     node = os.environ.get("ELASTIC_SUPERVISOR_NODE_ID", "?")
+    if args.setsid_helper:
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"],
+                                  start_new_session=True)  # inherits stdout: holds the pipe
+        with open(args.setsid_helper + ".tmp", "w") as f:
+            f.write(f"{os.getpid()} {helper.pid}\n")
+        os.replace(args.setsid_helper + ".tmp", args.setsid_helper)
     if args.hang:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
         with open(args.hang + ".tmp", "w") as f:
