@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -33,6 +34,18 @@ def alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def survives(process: subprocess.Popen[bytes], within: float = 3.0) -> bool:
+    """Whether ``process`` is still alive ``within`` seconds from now: a SIGKILL sent to it
+    before this call ends it in milliseconds; its pidfd turns readable at its exit."""
+    fd = os.pidfd_open(process.pid)
+    try:
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return not poller.poll(int(within * 1000))
+    finally:
+        os.close(fd)
 
 
 def decoy_at(pid: int) -> subprocess.Popen[bytes] | None:
@@ -77,7 +90,7 @@ async def main() -> None:
     report = {
         "ok": result.ok, "reason": result.reason, "seconds": took,
         "decoy_steered": decoy is not None,
-        "decoy_alive": decoy is not None and decoy.poll() is None,
+        "decoy_alive": decoy is not None and survives(decoy),
         "helper_alive": alive(int(str(found["helper"]))),
     }
     print(json.dumps(report), flush=True)
