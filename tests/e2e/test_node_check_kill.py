@@ -30,6 +30,7 @@ from tests.support.watchdog import Freezer, proc_state
 
 CHECK = str(TESTS / "workers" / "node_check.py")
 STEERING = str(WORKERS / "check_pid_steering.py")
+SWEEP = str(WORKERS / "check_during_sweep.py")
 GRACE = 5
 
 
@@ -135,3 +136,14 @@ def test_a_pid_steered_to_another_group_after_the_check_is_untouched(tmp_path: P
     assert report["decoy_steered"], "the decoy never got the leader's pid"
     assert report["decoy_alive"], "the decoy that took the check's pid was killed"
     assert not report["helper_alive"], "the setsid helper the check left outlived it"
+
+
+def test_a_group_stop_leaves_a_running_check_alone(tmp_path: Path) -> None:
+    """A group's sweep of adopted children once killed a periodic check (then taken for a
+    signal from outside); the check is exempt like the guardian and the standbys."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    result = subprocess.run([sys.executable, SWEEP, CHECK, str(tmp_path)], capture_output=True,
+                            text=True, timeout=90, check=False, env=env)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report == {"leader_alive": True, "grandchild_alive": True}
