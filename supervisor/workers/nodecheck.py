@@ -162,22 +162,10 @@ async def run_command(argv: Sequence[str], env: Mapping[str, str], timeout: floa
     the module's docstring). A program that cannot be started is exit 127 (not found) or
     126 (not executable), as from a shell."""
     _reap_abandoned()
-    unrunnable = _unrunnable(argv[0], env)
-    if unrunnable is not None:
-        return unrunnable
-    read_end, write_end = os.pipe2(os.O_CLOEXEC)
-    try:
-        spec = WorkerSpec(-1, -1, list(argv), dict(env), stdout=write_end, stderr=write_end)
-        check = await launcher.spawner.spawn(spawn_worker, spec, launcher.death)
-    except OSError as exc:
-        os.close(read_end)
-        return CommandRun(126, False, str(exc).encode())
-    finally:
-        os.close(write_end)  # the check holds it: EOF once it (and its helpers) closed it
-    _running.add(check.pid)
-    if launcher.guardian is not None:
-        launcher.guardian.watch(check.pid)
-    os.set_blocking(read_end, False)
+    started = _unrunnable(argv[0], env) or await _start(argv, env, launcher)
+    if isinstance(started, CommandRun):
+        return started
+    check, read_end = started
     kept = bytearray()
     reaped = False
     try:
@@ -193,6 +181,29 @@ async def run_command(argv: Sequence[str], env: Mapping[str, str], timeout: floa
     status = check.status
     code = status.exit_code if status.exit_code is not None else -(status.signal or 0)
     return CommandRun(code, False, bytes(kept), not reaped)
+
+
+async def _start(argv: Sequence[str], env: Mapping[str, str], launcher: CheckLauncher
+                 ) -> tuple[Worker, int] | CommandRun:
+    """The check, started as a worker is, and the read end of its output pipe (non-blocking);
+    or exit 126 with the reason if it could not be started."""
+    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+    try:
+        spec = WorkerSpec(-1, -1, list(argv), dict(env), stdout=write_end, stderr=write_end)
+        check = await launcher.spawner.spawn(spawn_worker, spec, launcher.death)
+    except OSError as exc:
+        os.close(read_end)
+        return CommandRun(126, False, str(exc).encode())
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)  # the check holds it: EOF once it (and its helpers) closed it
+    _running.add(check.pid)
+    if launcher.guardian is not None:
+        launcher.guardian.watch(check.pid)
+    os.set_blocking(read_end, False)
+    return check, read_end
 
 
 def _unrunnable(program: str, env: Mapping[str, str]) -> CommandRun | None:
