@@ -18,13 +18,16 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from tests.support.daemon import supervisor
-from tests.support.paths import FAKE_WORKER, WORKERS
+from tests.support.paths import FAKE_WORKER, REPO, WORKERS
 
 GRACE = 5
 BASE = ["--health-port", "0", "--shutdown-timeout", str(GRACE), "--rdzv-id", "jobX"]
 PLANTER = str(WORKERS / "fifo_planter.py")
+HUNG = str(WORKERS / "hung_over_a_fifo.py")
+PY_SPY = Path(sys.executable).parent / "py-spy"
 
 
 def _run(log_dir: Path) -> subprocess.CompletedProcess[str]:
@@ -46,6 +49,7 @@ async def test_sighup_after_a_worker_planted_fifos_neither_hangs_nor_loses_the_l
         await sup.err.expect(r"cannot reopen event log .*events.jsonl: .*FIFO.*; still "
                              r"writing the old file")
         await sup.err.expect(r"cannot reopen .*stdout.log: .*FIFO")
+        await sup.err.expect(r"cannot reopen .*stderr.log: .*FIFO")
         await sup.err.expect(r"log files reopened")
         timeout = aiohttp.ClientTimeout(total=5)
         async with (aiohttp.ClientSession(timeout=timeout) as session,
@@ -81,3 +85,16 @@ def test_a_run_directory_writable_by_its_group_is_refused(tmp_path: Path) -> Non
     assert "log_dir: unsafe run directory" in lines[0]
     assert "is writable by its group (mode 770)" in lines[0]
 
+
+
+@pytest.mark.skipif(not PY_SPY.is_file(), reason="py-spy is not installed next to the "
+                    "interpreter (pip install 'elastic-supervisor[hang-dump]')")
+async def test_a_fifo_at_the_hang_dump_path_is_not_opened(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    args = ["--nproc-per-node", "1", "--max-restarts", "0", "--hang-dump", "py-spy",
+            "--no-health", "--log-dir", str(logs), HUNG]
+    async with supervisor(args, env={"PYTHONPATH": str(REPO)}) as sup:
+        pid = int((await sup.out.expect(r"^ready (\d+)$")).group(1))
+        await sup.err.expect(rf"py-spy dump of pid {pid} failed: .*File exists", timeout=30)
+        assert await sup.wait(30) != 0  # the hung rank was killed: the job failed
+    assert (logs / "none" / "attempt_0" / "0" / f"hang-{pid}.txt").is_fifo()
