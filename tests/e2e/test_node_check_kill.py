@@ -69,7 +69,7 @@ async def test_a_check_stuck_in_d_state_fails_and_is_abandoned(
     assert took < 2.0 + KILL_WAIT + 5.0
     assert proc_state(leader) == "D" and leader in nodecheck.running_pids()
     await wait_dead([grandchild], timeout=5)  # its group was killed
-    freezer.release(wait=10.0)
+    freezer.release()  # thawed; the group itself is removed by the fixture, once reaped
     await wait_dead([leader], timeout=10)  # a zombie of ours now: reaped by the next check
     assert (await NodeChecker([], {}, 5.0, tmp_path / "logs").run()).ok
     passing = await NodeChecker([sys.executable, CHECK], dict(os.environ), 30.0,
@@ -96,7 +96,7 @@ async def test_sigterm_stops_the_daemon_while_its_check_is_stuck_in_d_state(
     assert took < GRACE + KILL_WAIT + 10
     assert f"node check pid {leader} did not die within 5 s of SIGKILL" in sup.err.text()
     await wait_dead([grandchild], timeout=5)
-    freezer.release(wait=10.0)
+    freezer.release()  # thawed; the group itself is removed by the fixture, once reaped
     await wait_dead([leader], timeout=10)
 
 
