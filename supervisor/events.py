@@ -62,6 +62,7 @@ class EventLog:
         self._unreported = 0  # dropped events not yet announced in the file
         self._error = ""  # why writing fails now, "" while it works
         self._retry: anyio.Event | None = None  # retry_pending waits on it while healthy
+        self._closed = False  # by close(): a reopen still in its thread then keeps nothing
         self._open()
 
     @property
@@ -209,6 +210,9 @@ class EventLog:
                            "still writing the old file" if self._fd >= 0 else
                            "keeping events in memory")
             return
+        if self._closed:
+            os.close(fd)
+            return
         self._close_fd()
         self._fd = fd
         self.flush()
@@ -220,6 +224,7 @@ class EventLog:
         if summary is not None:
             logger.error("%s", summary)
         self._close_fd()
+        self._closed = True
 
     def _close_fd(self) -> None:
         if self._fd >= 0:
