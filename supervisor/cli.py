@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 from supervisor import __version__
 from supervisor.abbrev import AmbiguousFlag, expand_abbreviations
 from supervisor.config import ConfigError, Settings, build, from_environ, load_file, to_toml_dict
+from supervisor.suggest import did_you_mean
 from supervisor.workers.output import OutputPlan, OutputSpecError
 
 EXIT_USAGE = 2
@@ -25,7 +26,21 @@ class _Parser(argparse.ArgumentParser):
     """An argparse parser whose errors are one line and exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}{self._suggestion(message)}\n")
+
+    def _suggestion(self, message: str) -> str:
+        """The known flags closest to the first unknown one, as "; did you mean ...?"."""
+        unknown = message.removeprefix("unrecognized arguments: ")
+        if unknown == message:
+            return ""
+        known = {option.removeprefix("--") for action in self._actions
+                 for option in action.option_strings if option.startswith("--")}
+        for arg in unknown.split():
+            name = arg.partition("=")[0]
+            if name.startswith("--"):
+                return did_you_mean(name.removeprefix("--").replace("_", "-"),
+                                    {k for k in known if "_" not in k}, prefix="--")
+        return ""
 
 
 def _flag(parser: argparse.ArgumentParser, name: str, *extra: str, **kw: Any) -> None:

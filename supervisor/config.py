@@ -22,6 +22,7 @@ import msgspec
 from supervisor.core.nodehealth import Limits, check_limits, start_warnings
 from supervisor.errors import ConfigError as ConfigError
 from supervisor.rendezvous.registry import BACKENDS
+from supervisor.suggest import did_you_mean
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -153,7 +154,8 @@ def _nproc(text: str) -> int:
     if text == "gpu":
         raise ConfigError("nproc_per_node: 'gpu' needs CUDA devices, none visible")
     if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise ConfigError(f"nproc_per_node: expected a positive integer, cpu or auto, got {text!r}")
+        raise ConfigError("nproc_per_node: expected a positive integer, cpu, gpu or auto, "
+                          f"got {text!r}")
     return int(text)
 
 
@@ -181,7 +183,28 @@ def load_file(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for key in raw:
+        if key.replace("-", "_") not in FIELDS:
+            raise ConfigError(f"{_where(path, key)}: {_unknown(key.replace('-', '_'))}")
     return {k.replace("-", "_"): v for k, v in raw.items()}
+
+
+def _where(path: str | Path, key: str) -> str:
+    """``config file PATH, line N`` for top-level ``key`` (tomllib gives no line numbers,
+    so the text is scanned for the line that defines it: ``key =``, ``"key" =``,
+    ``key.sub =`` or a ``[key]`` table)."""
+    quoted = rf"(?:{re.escape(key)}|\"{re.escape(key)}\"|'{re.escape(key)}')"
+    pattern = re.compile(rf"^\s*(?:\[\[?\s*{quoted}\s*[\].]|{quoted}\s*[=.])")
+    try:
+        with open(path, encoding="utf-8") as f:
+            line = next((n for n, text in enumerate(f, 1) if pattern.match(text)), None)
+    except (OSError, UnicodeDecodeError):
+        line = None
+    return f"config file {path}" + (f", line {line}" if line is not None else "")
+
+
+def _unknown(key: str) -> str:
+    return f"unknown setting {key!r}{did_you_mean(key, FIELDS)}"
 
 
 def from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -229,7 +252,7 @@ def build(*layers: Mapping[str, Any]) -> Settings:
     for layer in layers:
         for key, value in layer.items():
             if key not in FIELDS:
-                raise ConfigError(f"unknown setting {key!r}")
+                raise ConfigError(_unknown(key))
             merged[key] = _coerce(key, value)
     try:
         settings = msgspec.convert(merged, Settings, strict=False)

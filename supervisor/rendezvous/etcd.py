@@ -243,9 +243,9 @@ class EtcdRendezvous:
             self._connecting = None
 
     def _report_unreachable(self, clock: WaitClock, last: str) -> None:
-        """At the first pass that found no member answering (not a whole bounded try
-        later), then every 30 s while etcd does not answer at start-up; a WARNING each
-        time when the cause is a name that does not resolve."""
+        """A WARNING at the first pass that found no member answering (not a whole bounded
+        try later), then every 30 s while etcd does not answer at start-up: the endpoints,
+        the error and how long the node keeps trying."""
         now = time.monotonic()
         if not clock.due(now):
             return
@@ -257,8 +257,11 @@ class EtcdRendezvous:
             cause = clock.cause  # later tries may time out inside the resolver instead
         wait = WaitProgress(f"etcd at {', '.join(self.config.endpoints)} to answer",
                             clock.started_wall, clock.waited(now), cause=cause)
-        logger.log(wait.level(), "%s (retrying until join_timeout %gs)", wait.line(),
-                   self.config.join_timeout)
+        # a WARNING, not INFO: the node does nothing until it answers, and a wrong endpoint
+        # never starts to answer (join_timeout bounds the wait)
+        remaining = max(0.0, self.config.join_timeout - clock.waited(now))
+        logger.warning("%s; retrying for %.0fs more (join_timeout %gs: --rdzv-conf "
+                       "join_timeout=SECONDS)", wait.line(), remaining, self.config.join_timeout)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Connect (if not yet), follow the control keys, report ready, then keep the lease

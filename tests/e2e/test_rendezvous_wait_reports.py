@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import signal
 import subprocess
 import sys
 import urllib.request
@@ -126,8 +127,48 @@ async def test_an_etcd_that_does_not_answer_is_reported_at_the_first_failed_pass
     finally:
         logging.getLogger("supervisor.rendezvous.etcd").removeHandler(seen)
         await rdzv.aclose()
-    line = next(r.getMessage() for r in caplog.records if "to answer" in r.getMessage())
-    assert "Connect call failed" in line and "retrying until join_timeout 120s" in line, line
+    record = next(r for r in caplog.records if "to answer" in r.getMessage())
+    line = record.getMessage()
+    assert record.levelno == logging.WARNING, line
+    # the endpoint, the error, and how long it keeps trying
+    assert f"for etcd at {cfg.endpoints[0]} to answer" in line, line
+    assert "Connect call failed" in line, line
+    assert re.search(r"; retrying for 1[12]\ds more \(join_timeout 120s: --rdzv-conf "
+                     r"join_timeout=SECONDS\)$", line), line
+
+
+async def test_an_etcd_that_does_not_answer_is_reported_again_every_interval(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Every ``wait_report_every`` (30 s; 0.2 s here), checked at the end of each bounded
+    try (one lease TTL: 1 s here), with the time left shrinking."""
+    cfg = config((f"http://127.0.0.1:{free_port()}",), join_timeout=120, lease_ttl=1)
+    rdzv = EtcdRendezvous(cfg)
+    lines: list[str] = []
+    two = anyio.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "to answer" in record.getMessage() and record.levelno == logging.WARNING:
+                lines.append(record.getMessage())
+                if len(lines) == 2:
+                    two.set()
+
+    seen = Seen()
+    logging.getLogger("supervisor.rendezvous.etcd").addHandler(seen)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rdzv.connect)
+            with anyio.fail_after(30):
+                await two.wait()
+            tg.cancel_scope.cancel()
+    finally:
+        logging.getLogger("supervisor.rendezvous.etcd").removeHandler(seen)
+        await rdzv.aclose()
+    waited = [float(re.search(r"^waiting (\d+)s", line).group(1))  # type: ignore[union-attr]
+              for line in lines]
+    left = [float(re.search(r"retrying for (\d+)s more", line).group(1))  # type: ignore[union-attr]
+            for line in lines]
+    assert waited[0] <= waited[1] and left[0] >= left[1], lines
 
 
 @pytest.mark.etcd
@@ -162,3 +203,22 @@ def _get(url: str) -> bytes:
 def _status_command(url: str) -> str:
     return subprocess.run([sys.executable, "-m", "supervisor", "status", "--url", url],
                           capture_output=True, text=True, timeout=30, check=True).stdout
+
+
+@pytest.mark.parametrize("backend", ["etcd", "c10d"])
+async def test_an_endpoint_that_does_not_answer_is_a_warning_at_once(
+        tmp_path: Path, backend: str) -> None:
+    """The issue's case: ``--rdzv-endpoint 127.0.0.1:1`` (c10d: a client, ``is_host=0``).
+    A WARNING names the endpoint, the error and how long the node keeps trying (the
+    default join_timeout, 600 s), at the first failure; the node keeps waiting."""
+    conf = ["--rdzv-conf", "is_host=0"] if backend == "c10d" else []
+    async with supervisor(["--nnodes=2", f"--rdzv-backend={backend}",
+                           "--rdzv-endpoint=127.0.0.1:1", *conf, "--health-port=0",
+                           f"--log-dir={tmp_path}", "--no-python", "/bin/true"]) as sup:
+        line = await sup.err.expect(r"WARNING .*to answer.*", timeout=30)
+        assert sup.process.returncode is None  # still waiting
+        sup.signal(signal.SIGTERM)
+        assert await sup.wait(timeout=15) == 128 + signal.SIGTERM
+    text = line.group(0)
+    assert "http://127.0.0.1:1" in text and "Connect call failed" in text, text
+    assert re.search(r"retrying for (599|600)s more \(join_timeout 600s", text), text

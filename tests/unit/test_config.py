@@ -65,3 +65,65 @@ def test_invalid_toml_is_one_line(tmp_path: Path) -> None:
     bad.write_text("max_restarts = = 3\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_file(bad)
+
+
+# ----------------------------------------------------------------------------- did you mean
+
+
+@pytest.mark.parametrize(("argv", "suggested"), [
+    (["--nprocs-per-node", "2", "train.py"], "did you mean --nproc-per-node?"),
+    (["--nprocs_per_node=2", "train.py"], "did you mean --nproc-per-node?"),
+    (["--max-restrats", "2", "train.py"], "did you mean --max-restarts?"),
+    (["--timeout", "2", "train.py"],
+     "did you mean --progress-timeout or --shutdown-timeout?"),
+])
+def test_an_unknown_flag_gets_the_closest_known_one(
+        argv: list[str], suggested: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse_run_args(argv, {})
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert f"unrecognized arguments: {argv[0]}" in err and err.endswith(f"; {suggested}\n")
+    assert err.count("\n") == 1
+
+
+def test_an_unknown_flag_like_none_of_ours_gets_no_guess(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_run_args(["--zzzzqqq", "train.py"], {})
+    assert "did you mean" not in capsys.readouterr().err
+
+
+def test_an_unknown_config_key_names_the_file_line_and_closest_keys(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('# the job\ntraining_script = "t.py"\n\n  max_restart = 3\n')
+    with pytest.raises(ConfigError) as info:
+        load_file(cfg)
+    assert str(info.value) == (f"config file {cfg}, line 4: unknown setting 'max_restart'; "
+                               "did you mean max_restarts?")
+
+
+@pytest.mark.parametrize(("text", "line"), [
+    ('role = "x"\n"nproc-per-nodes" = 2\n', 2),  # quoted, dash spelling
+    ('role = "x"\n\n[nproc_per_nodes]\nx = 1\n', 3),  # a table
+    ('role = "x"\nnproc_per_nodes.x = 1\n', 2),  # a dotted key
+])
+def test_the_line_of_an_unknown_key_is_found_however_it_is_written(
+        tmp_path: Path, text: str, line: int) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=rf", line {line}: unknown setting 'nproc_per_nodes'; "
+                                          r"did you mean nproc_per_node\?"):
+        load_file(cfg)
+
+
+def test_an_unknown_key_from_the_python_api_gets_the_closest_keys() -> None:
+    with pytest.raises(ConfigError, match=r"unknown setting 'max_restart'; did you mean "
+                                          r"max_restarts\?"):
+        build({"training_script": "t.py", "max_restart": 1})
+
+
+def test_a_bad_nproc_per_node_lists_gpu_among_the_accepted_values() -> None:
+    with pytest.raises(ConfigError, match="expected a positive integer, cpu, gpu or auto, "
+                                          "got 'two'"):
+        build({"training_script": "t.py", "nproc_per_node": "two"})
