@@ -24,6 +24,7 @@ from tests.support.daemon import Supervised, supervisor
 from tests.support.notify import notify_socket, receive_notification
 from tests.support.paths import FAKE_WORKER, REPO
 from tests.support.processes import wait_dead
+from tests.support.users import unreachable
 
 
 async def health_url(sup: Supervised) -> str:
@@ -171,16 +172,6 @@ def _as_nobody(setpriv: str, python: str, env: dict[str, str]) -> bool:
     return out.returncode == 0 and out.stdout.strip() == str(sys.version_info[:2])
 
 
-def _private_ancestor(paths: list[Path]) -> Path | None:
-    """The first directory on the way to one of ``paths`` that others cannot enter (a
-    clone inside a 0700 home directory): nobody cannot import or run anything below it."""
-    for path in paths:
-        for parent in [*reversed(path.resolve().parents), path.resolve()]:
-            if parent.is_dir() and not parent.stat().st_mode & 0o001:
-                return parent
-    return None
-
-
 def _runtime_distributions() -> list[importlib.metadata.Distribution]:
     """The installed distributions of pyproject.toml's dependencies, recursively."""
     with open(REPO / "pyproject.toml", "rb") as f:
@@ -242,7 +233,7 @@ async def test_unprivileged_service_user_restarts_and_stops_cleanly() -> None:
 
 async def _run_as_nobody(setpriv: str, base: Path) -> None:
     paths, worker = [*site.getsitepackages(), str(REPO)], FAKE_WORKER
-    if _private_ancestor([Path(p) for p in paths]) is not None:
+    if unreachable(NOBODY, [p for p in paths if os.path.isdir(p)]) is not None:
         # a clone below a 0700 home: nobody cannot enter it, so it gets copies of what runs
         paths, worker = _copy_for_nobody(base / "code")
     # our dependencies and this checkout, for an interpreter nobody can run

@@ -5,6 +5,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterable
+from pathlib import Path
 
 
 def as_user(user: str) -> list[str]:
@@ -24,3 +26,27 @@ def python_for(user: str) -> str | None:
                                      capture_output=True).returncode == 0:
             return python
     return None
+
+
+def unreachable(user: int, paths: Iterable[str | Path]) -> Path | None:
+    """The first of ``paths`` that ``user`` (uid, in its own group and no other) may not
+    read (a directory: list and enter), or None. Asked of the kernel: ``test -r`` (and
+    ``-x``) runs as that user, so every directory on the way is checked as an open of the
+    path would be (a clone below a 0700 home is closed to everyone else)."""
+    test = shutil.which("test") or "/usr/bin/test"
+    for path in map(Path, paths):
+        checks = ["-r", str(path), "-a", "-x", str(path)] if path.is_dir() else ["-r", str(path)]
+        done = subprocess.run([test, *checks], user=user, group=user, extra_groups=[],
+                              timeout=30, check=False)
+        if done.returncode != 0:
+            return path
+    return None
+
+
+def closed_to(user: int, paths: Iterable[str | Path]) -> str | None:
+    """A one-line skip reason when ``user`` cannot reach one of ``paths``, else None."""
+    path = unreachable(user, paths)
+    if path is None:
+        return None
+    return (f"user {user} cannot read {path} (it or a directory above it is closed to "
+            "others, as a 0700 home is): clone the repository where others may enter")

@@ -9,7 +9,7 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F  # noqa: N812 -- torch's own spelling
+import torch.nn.functional as F
 
 
 def main() -> None:
