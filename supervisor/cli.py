@@ -177,6 +177,10 @@ def parse_run_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     args = ns.get("training_script_args")
     if args and args[0] == "--":
         ns["training_script_args"] = args[1:]
+    if "training_script" not in ns:
+        # argparse gives REMAINDER an empty list even when absent: it must not override
+        # the config file's arguments
+        ns.pop("training_script_args", None)
     return build(file_layer, from_environ(environ), ns)
 
 

@@ -23,6 +23,7 @@ import pytest
 
 from supervisor.core.envs import PER_ATTEMPT_ENV
 from supervisor.workers.warm.standby import env_mismatch, standby_env
+from tests.support import deps
 from tests.support.daemon import supervisor
 from tests.support.eventlog import warm_ranks
 from tests.support.paths import FAKE_WORKER, TESTS, WORKERS
@@ -206,8 +207,11 @@ def install_rankreader(target: Path) -> None:
          "--no-build-isolation", "--target", str(target),
          str(TESTS / "data" / "rankreader_pkg")],
         capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        pytest.skip(f"cannot install the test distribution (pip, setuptools): {done.stderr}")
+    if done.returncode != 0:  # setuptools < 70 without `wheel`: invalid command 'bdist_wheel'
+        last = next((line.strip() for line in reversed(done.stderr.splitlines())
+                     if line.strip()), f"exit {done.returncode}")
+        deps.missing(f"pip cannot build the test distribution ({last}); "
+                     "pip install wheel 'setuptools>=70'")
 
 
 async def test_preload_auto_learns_imports_and_never_preloads_a_rank_reader(

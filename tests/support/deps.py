@@ -41,7 +41,7 @@ def required() -> bool:
 def missing(what: str) -> NoReturn:
     """Skip (or, under ELASTIC_SUPERVISOR_REQUIRE_DEPS=1, fail) for a missing ``what``:
     a sentence that says what is missing and how to get it."""
-    reason = PREFIX + what
+    reason = PREFIX + " ".join(what.split())  # one line, whatever an error's text held
     if required():
         pytest.fail(f"{reason} [{REQUIRE_ENV}=1]", pytrace=False)
     pytest.skip(reason, allow_module_level=True)

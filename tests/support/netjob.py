@@ -354,12 +354,12 @@ def isolated_member(*, ttl: int, settle: float, code: Path = REPO,
         a, b, c = (j.start_node(x) for x in "abc")
         j.wait_group([a, b, c], 3)
         isolated_at = time.monotonic()
+        e0 = j.members[0].endpoint
         j.isolate(j.members[0])
         wait_for("the settle time", lambda: time.monotonic() - isolated_at >= settle,
                  settle + 5)
-        moved = [n.first("etcd_watch", isolated_at,
-                         lambda e: bool(e.get("live")) and e.get("endpoint") !=
-                         j.members[0].endpoint) for n in (a, b, c)]
+        moved = {n.host.label: _watch_off(n, e0, isolated_at) for n in (a, b, c)}
+        watches = {n.host.label: _watch_states(n, isolated_at) for n in (a, b, c)}
         left_at = time.monotonic()
         c.proc.send_signal(signal.SIGTERM)
         leave_seen = [wait_for("the leave seen", lambda n=n: n.first("membership_changed",
@@ -376,7 +376,11 @@ def isolated_member(*, ttl: int, settle: float, code: Path = REPO,
         wait_ready = d.first("rendezvous", joined_at)
         return {
             "ttl": ttl, "settle": settle,
-            "watches_moved_after_isolation": [_rel(t, isolated_at) for t in moved],
+            "isolated": e0,
+            # per node: seconds after the isolation since when no stream of its watch has
+            # been on e0 (0: none was at the isolation), None if one still was at the end
+            "watches_moved_after_isolation": {k: _rel(t, isolated_at) for k, t in moved.items()},
+            "watch_states": watches,
             "leave_seen_after": max(leave_seen) - left_at,
             "loss_seen_after": loss_seen - killed_at,
             "scale_up_round_after": _rel(wait_ready, joined_at),
@@ -541,6 +545,31 @@ def lossy_links(*, ttl: int, percent: int, seconds: float, rtt_ms: float = 0,
                                if not e.get("live")),
             "outages": sum(1 for n in nodes for _ in n.events("etcd_unreachable")),
         }
+
+
+def _watch_off(node: Node, member: str, since: float) -> float | None:
+    """Since when ``node``'s control watch has been live with no stream on ``member``, as
+    its events tell it now (``since`` at the earliest); None if a stream is still there,
+    or none is open. A watch whose streams were both elsewhere already (moved by a slow
+    request under load) has nothing to report after ``since``, and one that went back to
+    ``member`` for a while counts from when it last left it."""
+    off_since: float | None = None
+    for e in node.events("etcd_watch"):
+        if not (e.get("live") and member not in (e.get("endpoints") or [])):
+            off_since = None
+        elif off_since is None:
+            off_since = max(float(e["mono"]), since)
+    return off_since
+
+
+def _watch_states(node: Node, since: float) -> list[tuple[float, bool, list[str]]]:
+    """``node``'s watch as its events told it: the last one before ``since`` and each
+    after it, as (seconds after ``since``, live, the members its streams were on)."""
+    events = node.events("etcd_watch")
+    before = [e for e in events if float(e["mono"]) <= since][-1:]
+    after = [e for e in events if float(e["mono"]) > since]
+    return [(round(float(e["mono"]) - since, 3), bool(e.get("live")),
+             list(e.get("endpoints") or [])) for e in before + after]
 
 
 def _rel(t: float | None, since: float) -> float | None:

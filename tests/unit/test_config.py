@@ -19,6 +19,16 @@ def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
     assert s.shutdown_timeout == 30.0  # default
 
 
+def test_the_config_files_script_arguments_reach_the_script(tmp_path: Path) -> None:
+    """Regression: `run --config FILE` (what the systemd units run) dropped the file's
+    training_script_args: argparse's empty remainder overrode them."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('training_script = "t.py"\ntraining_script_args = ["--lr", "0.1"]\n')
+    assert parse_run_args(["--config", str(cfg)], {}).training_script_args == ["--lr", "0.1"]
+    flags = parse_run_args(["--config", str(cfg), "other.py", "--x"], {})
+    assert (flags.training_script, flags.training_script_args) == ("other.py", ["--x"])
+
+
 def test_torchrun_underscore_flags_and_script_args() -> None:
     s = parse_run_args(["--nproc_per_node=4", "--max_restarts", "3", "train.py", "--lr", "0.1",
                         "--nnodes", "7"], {})
