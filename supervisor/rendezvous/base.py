@@ -49,6 +49,32 @@ def free_port(addr: str = "127.0.0.1") -> int:
     return port
 
 
+def hold_port(port: int = 0) -> socket.socket | None:
+    """A socket that holds TCP ``port`` (0: a free one) on every address of this host,
+    bound with ``SO_REUSEADDR`` and never listening; None if the port is taken.
+
+    While it is open the kernel hands the port to no one (a ``bind`` to port 0, a
+    connection's local port) and a ``bind`` without ``SO_REUSEADDR`` fails, but the
+    rank-0 worker's store still binds and listens on it (torch's TCPStore sets
+    ``SO_REUSEADDR``). A port only found free would stay up for grabs until rank 0 has
+    imported torch and binds it: seconds, tens of them on a loaded machine, where
+    torchrun's agent binds its store at once."""
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            continue  # no IPv6 here
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
+            sock.bind((address, port))
+            return sock
+        except OSError:
+            sock.close()
+    return None
+
+
 class BarrierResult(msgspec.Struct, frozen=True):
     ok: bool
     message: str = ""

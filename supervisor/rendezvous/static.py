@@ -3,10 +3,14 @@
 On one node it picks a fresh free master port for every attempt, so a restarted group
 never reads the previous attempt's store. With several nodes (``--nnodes N --node-rank R
 --master-addr A``) there is nothing to publish a port through, so ``--master-port`` is
-used as given (default 29500, as torchrun).
+used as given (default 29500, as torchrun). The node of rank 0 holds the master port
+(``hold_port``) from its start, or from when it picks one, until the next pick or the end:
+nothing else on the host takes it before the rank-0 worker's store binds it.
 """
 
 from __future__ import annotations
+
+import socket
 
 import anyio
 from anyio.abc import TaskStatus
@@ -18,6 +22,7 @@ from supervisor.rendezvous.base import (
     NodeLedger,
     RendezvousResult,
     free_port,
+    hold_port,
 )
 from supervisor.rendezvous.local_health import LocalNodeLedger
 
@@ -47,13 +52,23 @@ class StaticRendezvous:
         self.master_port = master_port
         self._round = 0
         self._restarts = 0
+        self._held: socket.socket | None = None  # the master port, while this node holds it
 
     def _port(self) -> int:
         if self.master_port:
             return self.master_port
         if self.nnodes == 1:
+            self._release()  # the previous attempt's group has stopped
+            self._held = hold_port()
+            if self._held is not None:
+                return int(self._held.getsockname()[1])
             return free_port(self.master_addr)
         return DEFAULT_MASTER_PORT
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def extra_pids(self) -> list[int]:
         return []
@@ -62,7 +77,8 @@ class StaticRendezvous:
         return None
 
     async def connect(self) -> None:
-        return None
+        if self.master_port and self.node_rank == 0:  # the given port, from the start
+            self._held = hold_port(self.master_port)
 
     async def run(self, *, task_status: TaskStatus[None]) -> None:
         task_status.started()  # nothing to keep alive
@@ -101,7 +117,7 @@ class StaticRendezvous:
         return None
 
     async def aclose(self) -> None:
-        return None
+        self._release()
 
     def node_ledger(self, limits: Limits) -> NodeLedger:
         return LocalNodeLedger(limits)
