@@ -208,9 +208,12 @@ def install_rankreader(target: Path) -> None:
          str(TESTS / "data" / "rankreader_pkg")],
         capture_output=True, text=True, check=False)
     if done.returncode != 0:  # setuptools < 70 without `wheel`: invalid command 'bdist_wheel'
-        last = next((line.strip() for line in reversed(done.stderr.splitlines())
-                     if line.strip()), f"exit {done.returncode}")
-        deps.missing(f"pip cannot build the test distribution ({last}); "
+        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+        # the build's own error, not pip's summary of it (which says "see above")
+        cause = next((line for line in lines if line.startswith("error: ")
+                      and "subprocess-exited-with-error" not in line),
+                     lines[-1] if lines else f"exit {done.returncode}")
+        deps.missing(f"pip cannot build the test distribution ({cause}); "
                      "pip install wheel 'setuptools>=70'")
 
 
