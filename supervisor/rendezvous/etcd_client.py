@@ -48,6 +48,12 @@ JsonDict = dict[str, Any]
 # UNAVAILABLE, and CANCELLED, which a gracefully stopping member's gateway sends on open
 # watch streams ("grpc: the client connection is closing").
 _RETRY_ELSEWHERE = frozenset({1, 4, 14})
+# UNKNOWN (2) or INTERNAL (13) with the gateway's own transport errors: the member's gRPC
+# server went away under its gateway (a member stopping gracefully answers "OK: HTTP
+# status code 200; transport: missing content-type field", code 2, or "server closed the
+# stream without sending trailers", code 13), not an answer of etcd's: ask another member
+_GATEWAY_CODES = frozenset({2, 13})
+_GATEWAY_TRANSPORT = ("transport:", "without sending trailers", "connection is closing")
 _UNAUTHENTICATED = 16
 _OPS = {"=": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
 # The agents' hedge: a member silent for this long no longer holds a request up, the next
@@ -269,7 +275,8 @@ def _raise_for_error(data: JsonDict) -> None:
     else:
         code, message = data.get("code"), str(data.get("message", error))
     code = int(code) if code is not None else None
-    if code in _RETRY_ELSEWHERE:
+    if code in _RETRY_ELSEWHERE or (
+            code in _GATEWAY_CODES and any(m in message for m in _GATEWAY_TRANSPORT)):
         raise _EndpointDown(message)
     if "lease not found" in message:
         raise EtcdLeaseNotFound(message, code)

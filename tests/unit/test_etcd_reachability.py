@@ -5,7 +5,16 @@ from __future__ import annotations
 
 import time
 
-from supervisor.rendezvous.etcd_client import EtcdClient, Reachability
+import pytest
+
+from supervisor.rendezvous.etcd_client import (
+    EtcdClient,
+    EtcdError,
+    JsonDict,
+    Reachability,
+    _EndpointDown,
+    _raise_for_error,
+)
 
 
 def _client() -> tuple[EtcdClient, list[bool]]:
@@ -46,3 +55,25 @@ def test_during_an_outage_a_stale_pass_changes_nothing() -> None:
     client._reached()  # the outage ends
     client._unreached("timeout", stale)  # a pass older than that answer
     assert client.reachability.unreachable_since is None and heard == [False, True]
+
+
+# the JSON gateway's answers while its member stops gracefully (etcd 3.4, observed by a
+# request loop against a member given SIGTERM): not etcd's verdict, ask another member
+@pytest.mark.parametrize("body", [
+    {"error": "OK: HTTP status code 200; transport: missing content-type field",
+     "message": "OK: HTTP status code 200; transport: missing content-type field", "code": 2},
+    {"error": "server closed the stream without sending trailers",
+     "message": "server closed the stream without sending trailers", "code": 13},
+    {"error": {"grpc_code": 1, "message": "grpc: the client connection is closing"}},
+])
+def test_a_stopping_members_gateway_errors_send_the_request_elsewhere(body: JsonDict) -> None:
+    with pytest.raises(_EndpointDown):
+        _raise_for_error(body)
+
+
+def test_etcds_own_errors_are_not_retried_elsewhere() -> None:
+    with pytest.raises(EtcdError):
+        _raise_for_error({"error": "etcdserver: request is too large",
+                          "message": "etcdserver: request is too large", "code": 3})
+    with pytest.raises(EtcdError):
+        _raise_for_error({"error": "unknown thing", "message": "unknown thing", "code": 2})
