@@ -73,8 +73,9 @@ def test_one_isolated_etcd_member_blinds_no_watch() -> None:
              for node, moved in figures["watches_moved_after_isolation"].items()
              if moved is None}
     assert not blind, (f"the watch of node(s) {', '.join(sorted(blind))} still had a stream "
-                       f"on the isolated member {figures['isolated']} {2 * TTL}s later; its "
-                       f"events (seconds after the isolation, live, members): {blind}")
+                       f"on the isolated member {figures['isolated']} (or none open) "
+                       f"{2 * TTL}s later; its events (seconds after the isolation, live, "
+                       f"members): {blind}")
     assert figures["leave_seen_after"] <= LEAVE_BOUND, figures
     assert figures["loss_seen_after"] <= LOSS_BOUND, figures
     assert figures["scale_up_round_after"] is not None, figures
