@@ -66,6 +66,7 @@ async def test_nothing_else_can_take_the_master_port_before_rank_0_binds_it(
 
 @pytest.mark.torch
 @pytest.mark.xdist_group("torch")
+@pytest.mark.timeout(300)  # four ranks import torch on two cores: a minute and more, loaded
 async def test_pytorchs_init_method_env_with_torchelastic(tmp_path: Path) -> None:
     """4 ranks, ``--master-addr=localhost --master-port=P`` (found free just before),
     ``--monitor-interval=1``, ``init_process_group(init_method="env://")`` and an
