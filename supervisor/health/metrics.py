@@ -45,7 +45,7 @@ NAMESPACE = "elastic_supervisor"
 WORKER_OUTCOMES = ("succeeded", "failed", "signaled", "stopped")
 """Worker exit outcomes: 0, non-zero, killed by a signal, or exited while being stopped."""
 
-HTTP_PATHS = ("/healthz", "/readyz", "/status", "/metrics", "/openapi.json")
+HTTP_PATHS = ("/healthz", "/readyz", "/status", "/metrics", "/openapi.json", "/leave-notice")
 OTHER_PATH = "other"
 
 _PHASES = tuple(p.value for p in sm.Phase)
@@ -180,6 +180,10 @@ class Metrics:
         self.http_evictions = self._counter(
             "http_connections_evicted",
             "Health connections closed at the connection cap before sending a request.",
+        )
+        self.http_refusals = self._counter(
+            "http_connections_refused",
+            "Health connections closed on arrival: every other one was handling a request.",
         )
         # counted by the read model (it exists before the metrics): read from the snapshot
         self._stale_events = 0
@@ -323,6 +327,10 @@ class Metrics:
     def record_http_eviction(self) -> None:
         """A waiting connection was closed to make room for a new one at the cap."""
         self.http_evictions.inc()
+
+    def record_http_refusal(self) -> None:
+        """A new connection was closed on arrival: the cap was full of busy ones."""
+        self.http_refusals.inc()
 
     # ------------------------------------------------- counts kept by their owners
 
