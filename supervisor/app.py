@@ -79,7 +79,8 @@ from supervisor.systemd import (
 from supervisor.views import ReadModel, RunResult
 from supervisor.watchdog.dstate import DStateMonitor
 from supervisor.watchdog.escalate import HangDump
-from supervisor.watchdog.timers import Watchdog, WatchdogConfig, owner_by_ancestry
+from supervisor.watchdog.owners import OwnerCache
+from supervisor.watchdog.timers import Watchdog, WatchdogConfig
 from supervisor.workers.group import WorkerGroup
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
 from supervisor.workers.nodecheck import CheckLauncher
@@ -264,6 +265,7 @@ async def supervise(
     events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
                 local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
     logger.info("run %s: logs under %s", run_id, log_root / run_id)
+    owners = OwnerCache(controller.live_worker_ranks)  # whose deadline requests are whose
     try:
         async with anyio.create_task_group() as tg:
             if not embedded:
@@ -281,7 +283,7 @@ async def supervise(
             health_url: str | None = None
             if timer_file is not None:
                 watchdog = await start_watchdog(
-                    tg, settings, controller, timer_file, send, hang_dump
+                    tg, settings, controller, timer_file, send, hang_dump, owners
                 )
             # health signals run whether or not the deadline FIFO does (--no-watchdog)
             dstate = await start_health_signals(tg, settings, controller, send)
@@ -312,6 +314,7 @@ async def supervise(
         with anyio.CancelScope(shield=True):
             await rendezvous.aclose()
         guardian.close()
+        owners.close()
         events.close()
         notifier.close()
         runtime.cleanup()
@@ -525,6 +528,7 @@ async def start_watchdog(
     timer_file: Path,
     outbox: Outbox,
     hang_dump: HangDump,
+    owners: OwnerCache,
 ) -> Watchdog:
     """Open the deadline FIFO; expired deadlines are reported into the inbox."""
 
@@ -539,7 +543,7 @@ async def start_watchdog(
     )
     watchdog = Watchdog(
         timer_file,
-        owner=lambda pid: owner_by_ancestry(pid, controller.live_worker_ranks()),
+        owner=owners,
         progress=controller.progress,
         on_expired=outbox.send,
         config=config,

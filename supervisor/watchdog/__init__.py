@@ -5,12 +5,12 @@ from __future__ import annotations
 from supervisor.watchdog.dstate import DStateMonitor, DStateTracker
 from supervisor.watchdog.escalate import ExpiryOutcome, HangDump, ProcessHandle
 from supervisor.watchdog.fifo import FifoError, LineBuffer, open_fifo_reader
+from supervisor.watchdog.owners import OwnerCache, owner_by_ancestry
 from supervisor.watchdog.timers import (
     Watchdog,
     WatchdogConfig,
     WatchdogMetrics,
     WatchdogStats,
-    owner_by_ancestry,
 )
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "FifoError",
     "HangDump",
     "LineBuffer",
+    "OwnerCache",
     "ProcessHandle",
     "Watchdog",
     "WatchdogConfig",

@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 DIR_MODE = 0o700
 FIFO_MODE = 0o600
 _READ_CHUNK = 65536
-_MAX_CHUNKS_PER_WAKEUP = 16  # then yield to the loop even under a flood
+_MAX_CHUNKS_PER_WAKEUP = 1  # a pipe's default capacity: split into lines at one go, no more
 
 
 class FifoError(Exception):

@@ -17,13 +17,14 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import msgspec
 
 from supervisor.core.deadlines import (
@@ -50,7 +51,12 @@ from supervisor.watchdog.fifo import Batch, FifoReader, open_fifo_reader
 logger = logging.getLogger(__name__)
 
 Owner = Callable[[int], int | None]
-"""pid -> local rank of the live worker of the current attempt that is or owns it."""
+"""pid -> local rank of the live worker of the current attempt that is or owns it
+(``owners.OwnerCache``: a walk of /proc the first time, a look-up after)."""
+
+# the most the tailer handles without letting the loop run: a flood of requests is worked
+# off in slices this long (probes, signals and the timer run in between), never at once
+SLICE = 0.01
 
 ExpiredCallback = Callable[[DeadlineExpired], Awaitable[None]]
 
@@ -137,34 +143,6 @@ class RateLimitedLog:
 # ----------------------------------------------------------------------- processes
 
 
-def owner_by_ancestry(pid: int, workers: Mapping[int, int], max_depth: int = 64) -> int | None:
-    """The local rank of the worker that is ``pid`` or one of its ancestors, else None.
-
-    ``workers`` maps live worker pids to local ranks. Walks parent pids in ``/proc``; a
-    helper for the controller's ``Owner`` callback.
-    """
-    me = os.getpid()
-    current: int | None = pid
-    for _ in range(max_depth):
-        if current is None or current <= 1 or current == me:
-            return None
-        if current in workers:
-            return workers[current]
-        current = _parent_pid(current)
-    return None
-
-
-def _parent_pid(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # the command name may hold spaces and parentheses: fields resume after the last ')'
-    fields = stat[stat.rfind(b")") + 2 :].split()
-    return int(fields[1]) if len(fields) > 1 else None
-
-
 def _pid_exists(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -211,6 +189,9 @@ class Watchdog:
         self._escalating: set[int] = set()  # pids
         self._tg: anyio.abc.TaskGroup | None = None
         self._reader: FifoReader | None = None
+        self._backlog: collections.deque[bytes] = collections.deque()  # lines read, unhandled
+        self._taken = 0  # lines ever queued
+        self._handled = 0  # lines ever handled
         self._armed_at = 0.0  # monotonic: when the timer last went to sleep
         self.attempt = 0
         self.stats = WatchdogStats()
@@ -254,16 +235,29 @@ class Watchdog:
 
     async def _tail(self, reader: FifoReader) -> None:
         while True:
-            self._handle_batch(await reader.receive())
+            if not self._backlog:
+                self._take(await reader.receive())
+            self._work_off()
+            await anyio.lowlevel.checkpoint()  # a flood is handled a slice at a time
 
-    def _handle_batch(self, batch: Batch) -> None:
+    def _take(self, batch: Batch) -> None:
+        """Queue what the FIFO gave; handled by ``_work_off``."""
         for _ in range(batch.oversized):
             self._reject(Rejected(RejectReason.OVERSIZED, f"over {PIPE_BUF} bytes"), None)
-        if not batch.lines:
+        self._backlog.extend(batch.lines)
+        self._taken += len(batch.lines)
+
+    def _work_off(self) -> None:
+        """Handle queued lines for at most ``SLICE`` seconds; the rest wait for the next."""
+        if not self._backlog:
             return
         now_wall, now_mono = time.time(), anyio.current_time()
-        for line in batch.lines:
-            self._handle_line(line, now_wall, now_mono)
+        until = time.monotonic() + SLICE
+        while self._backlog:
+            self._handle_line(self._backlog.popleft(), now_wall, now_mono)
+            self._handled += 1
+            if time.monotonic() >= until:
+                break
         nearest = self._table.next_deadline()
         if nearest is not None and nearest < self._timer_target:
             self._wakeup.set()
@@ -328,20 +322,26 @@ class Watchdog:
             self._armed_at = anyio.current_time()
             with anyio.move_on_at(self._timer_target):
                 await self._wakeup.wait()
-            self._judge(anyio.current_time())
+            await self._judge(anyio.current_time())
 
-    def _judge(self, now: float) -> None:
+    async def _judge(self, now: float) -> None:
         """Escalate against what expired, but only after hearing what the FIFO holds.
 
         After a stall the readiness callback of the FIFO may run after this timer (both
-        became due while the loop stood still): read the FIFO first, so renewals that sat
-        unread count. A stall also postpones what fell due during it (``_ride_out``).
+        became due while the loop stood still): read the FIFO first, and handle every line
+        posted before now (a slice at a time, as the tailer does), so renewals that sat
+        unread count; lines posted later do not hold the judgement up. A stall also
+        postpones what fell due during it (``_ride_out``).
         """
         late = now - self._timer_target
         if late > self._config.stall_threshold:
             self._ride_out(late, now)
         if self._reader is not None:
-            self._handle_batch(self._reader.read_now())
+            self._take(self._reader.read_now())
+        posted = self._taken
+        while self._handled < posted:
+            self._work_off()
+            await anyio.lowlevel.checkpoint()
         for expired in self._table.pop_expired(now):
             self._start_escalation(expired, now)
 

@@ -48,11 +48,8 @@ from supervisor.watchdog.fifo import (
     open_fifo,
     open_fifo_reader,
 )
-from supervisor.watchdog.timers import (
-    RateLimitedLog,
-    WatchdogConfig,
-    owner_by_ancestry,
-)
+from supervisor.watchdog.owners import owner_by_ancestry
+from supervisor.watchdog.timers import RateLimitedLog, WatchdogConfig
 from supervisor.worker import HEARTBEAT_SCOPE, TimerClient
 from tests.support.paths import REPO, WORKERS
 from tests.support.watchdog import (
