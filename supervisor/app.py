@@ -295,7 +295,7 @@ async def supervise(
                 events.emit("health_listening", host=settings.health_host, port=port)
                 tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog, goodput,
                               hub, not embedded)
-                health_url = f"http://{advertised_host(settings)}:{port}"
+                health_url = f"http://{advertised_host(settings, rendezvous)}:{port}"
             elif not embedded:
                 tg.start_soon(freeze_when_launched, controller)
             start_summaries(tg, rendezvous, hub, health_url)
@@ -403,11 +403,14 @@ def make_pool(
     )
 
 
-def advertised_host(settings: Settings) -> str:
-    """The host others reach this node's health endpoint at."""
+def advertised_host(settings: Settings, rendezvous: Rendezvous) -> str:
+    """The host others reach this node's health endpoint at: its ``--health-host``, else
+    the address it joins etcd rounds with (peers take a health URL only on that address:
+    ``decode.peer_health_url``)."""
     if settings.health_host not in ("0.0.0.0", "::", ""):
         return settings.health_host
-    return settings.local_addr or socket.gethostname()
+    etcd = rendezvous.etcd_service()
+    return settings.local_addr or (etcd.config.local_addr if etcd else "") or socket.gethostname()
 
 
 def start_summaries(

@@ -3,7 +3,8 @@
 Each supervisor writes ``health.json`` (its pid, health URL and run id) into its runtime
 directory once its health port is bound: a private 0700 temp dir
 (``$TMPDIR/elastic-supervisor-run-*``) or systemd's ``/run/elastic-supervisor[/INSTANCE]``.
-``status`` reads those whose process is alive. The default port alone is a guess: a
+``status`` reads those whose process is alive, in directories and files owned by the user
+running it and writable by no one else. The default port alone is a guess: a
 supervisor whose default port was busy moved to another one, and the one holding the
 default may be another job.
 """
@@ -60,7 +61,8 @@ def announce(runtime_dir: Path, url: str, run_id: str) -> None:
 
 
 def find_supervisors(roots: Iterable[Path] | None = None) -> list[Found]:
-    """The live supervisors whose announcement this user can read, by pid."""
+    """The live supervisors that announced themselves in a runtime directory of this user,
+    by pid."""
     dirs = _runtime_dirs() if roots is None else list(roots)
     found = [f for f in (_read(d) for d in dirs) if f is not None and _alive(f.pid)]
     return sorted(found, key=lambda f: f.pid)
@@ -73,22 +75,29 @@ def _runtime_dirs() -> list[Path]:
     return dirs
 
 
+def _ours(st: os.stat_result) -> bool:
+    """Owned by the user running this (root's own, for root), and writable by no one else:
+    a directory another user planted in the shared temp dir is never read."""
+    return st.st_uid == os.geteuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def _read(directory: Path) -> Found | None:
-    """The announcement in ``directory``, or None if absent, odd or unreadable (any
-    process of the supervisor's user may write there: nothing is trusted)."""
-    path = directory / ANNOUNCE
+    """The announcement in ``directory``, or None if absent, odd, unreadable, or not in a
+    directory of this user's (any process of the supervisor's user may write there: what
+    it says is checked too)."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        dir_fd = os.open(directory, flags | os.O_DIRECTORY)
     except OSError:
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        if not _ours(os.fstat(dir_fd)):
             return None
-        data = json.loads(os.read(fd, MAX_ANNOUNCE + 1)[:MAX_ANNOUNCE])
-    except (OSError, ValueError, RecursionError):
+        data = _load(os.open(ANNOUNCE, flags, dir_fd=dir_fd))
+    except OSError:
         return None
     finally:
-        os.close(fd)
+        os.close(dir_fd)
     if not isinstance(data, dict):
         return None
     pid, url, run_id = data.get("pid"), data.get("url"), data.get("run_id")
@@ -97,10 +106,26 @@ def _read(directory: Path) -> Found | None:
     return Found(pid, url, str(run_id) if isinstance(run_id, str) else "?", str(directory))
 
 
+def _load(fd: int) -> object:
+    """The JSON of a regular file of ours at ``fd`` (closed), or None."""
+    try:
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) and _ours(st)):
+            return None
+        return json.loads(os.read(fd, MAX_ANNOUNCE + 1)[:MAX_ANNOUNCE])
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+
+
 def _http(url: str) -> bool:
+    """``http://HOST:PORT`` and nothing else (no path, query, user or control character)."""
     try:
         parts = urlsplit(url)
-        return parts.scheme == "http" and bool(parts.hostname) and parts.port is not None
+        return (parts.scheme == "http" and bool(parts.hostname) and parts.port is not None
+                and not (parts.path or parts.query or parts.fragment or parts.username)
+                and url.isprintable() and len(url) <= 300)
     except ValueError:
         return False
 

@@ -143,7 +143,7 @@ class Healing:
             return None
         signature = nh.Signature(failure.kind.value, failure.local_rank, failure.exit_code,
                                  failure.signal)
-        text = failure.describe()[: nh.MAX_TEXT]
+        text = nh.record_text(failure.describe())
         mine = nh.RoundCause(self.ledger.node, round, signature, time.time(),
                              member=self.ledger.member,
                              rank=rank, description=text)

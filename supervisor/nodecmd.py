@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING, NoReturn
 
 import anyio
 
+from supervisor.core.untrusted import text
+
 if TYPE_CHECKING:
     from supervisor.core.nodehealth import NodeRecord
     from supervisor.rendezvous.etcd import EtcdRendezvousConfig
 
 PROG = "elastic-supervisor node"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+MAX_REASON = 500  # characters of a node id or a reason shown
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,7 +64,7 @@ def main_node(argv: list[str]) -> int:
     try:
         return anyio.run(_act, config, ns)
     except (OSError, TimeoutError, RuntimeError) as exc:
-        sys.stderr.write(f"{PROG}: etcd at {ns.rdzv_endpoint}: {exc}\n")
+        sys.stderr.write(f"{PROG}: etcd at {text(ns.rdzv_endpoint)}: {text(exc)}\n")
         return EXIT_FAILED
 
 
@@ -85,8 +88,8 @@ async def _act(config: EtcdRendezvousConfig, ns: argparse.Namespace) -> int:
                     if await clear_node(client, prefix, node):
                         sys.stdout.write(f"cleared node {node}\n")
                     else:
-                        sys.stderr.write(f"{PROG}: no record for node {node} in job "
-                                         f"{config.run_id}\n")
+                        sys.stderr.write(f"{PROG}: no record for node {text(node)} in "
+                                         f"job {text(config.run_id)}\n")
                         code = EXIT_FAILED
                 return code
     except EtcdError as exc:
@@ -103,8 +106,9 @@ def _print(records: list[NodeRecord], as_json: bool) -> None:
         sys.stdout.write("no node health records\n")
         return
     now = time.time()
-    for r in records:
-        state = f"QUARANTINED: {r.quarantined.reason}" if r.quarantined else "in service"
+    for r in records:  # what any node wrote to etcd: shown through the one sanitiser
+        state = (f"QUARANTINED: {text(r.quarantined.reason, MAX_REASON)}" if r.quarantined
+                 else "in service")
         newest = f", last {now - r.failures[-1].at:.0f}s ago" if r.failures else ""
-        sys.stdout.write(f"{r.node}: {len(r.failures)} failure(s) in the window{newest}; "
-                         f"{state}\n")
+        sys.stdout.write(f"{text(r.node, MAX_REASON)}: {len(r.failures)} failure(s) in the "
+                         f"window{newest}; {state}\n")

@@ -8,6 +8,9 @@ shows the whole job instead: one row per node (waiting to join included), read f
 summaries every supervisor keeps in etcd (``rendezvous.summary``), without reaching any
 node's HTTP port. ``--rdzv-conf`` takes the TLS and auth keys of ``run``.
 
+Every value shown passes ``core.untrusted.sanitise`` first: the document comes from
+whatever answers at the URL, and the job view from what any node wrote to etcd.
+
 Exit codes: 0 shown, 1 the supervisor (or etcd) could not be reached or answered
 nonsense, 2 usage error.
 """
@@ -16,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 import urllib.error
@@ -24,6 +26,8 @@ import urllib.parse
 import urllib.request
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
+
+from supervisor.core.untrusted import as_dict, as_list, clean, sanitise, text
 
 if TYPE_CHECKING:
     from supervisor.rendezvous.etcd import EtcdRendezvousConfig
@@ -37,9 +41,7 @@ EXIT_USAGE = 2
 PROG = "elastic-supervisor status"
 MAX_ROWS = 10_000  # nodes shown by the job-wide view
 MAX_CELL = 60  # characters of one cell of its table
-# Control characters (C0 but newline, DEL, C1) and bidi overrides: what a sibling's
-# summary could use to move the cursor, clear the screen or retitle the terminal.
-_CONTROL = re.compile(r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+MAX_SHOWN = 200  # characters of a URL or an error shown in a message
 
 
 class StatusError(Exception):
@@ -67,15 +69,15 @@ def main_status(argv: list[str]) -> int:
     try:
         url = status_url(ns.url)
     except ValueError as exc:
-        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        sys.stderr.write(f"{PROG}: error: {text(exc, MAX_SHOWN)}\n")
         return EXIT_USAGE
     try:
-        doc = fetch_status(url, ns.timeout)
+        doc = as_dict(sanitise(fetch_status(url, ns.timeout)))
     except StatusError as exc:
         # the default URL is a guess: the port may have moved (a busy default) or be another
         hint = (" (is a supervisor running here? its health port is in its log and STATUS "
                 "line; pass --url http://HOST:PORT)") if ns.url == DEFAULT_URL else ""
-        sys.stderr.write(f"{PROG}: {exc}{hint}\n")
+        sys.stderr.write(f"{PROG}: {text(exc, MAX_SHOWN)}{hint}\n")
         return EXIT_UNREACHABLE
     if ns.json:  # json.dumps escapes every control character (ensure_ascii)
         sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
@@ -94,7 +96,8 @@ def _discovered_url() -> str | None:
         return found[0].url
     if not found:
         return DEFAULT_URL
-    listed = "".join(f"  --url {f.url}   pid {f.pid}, run {f.run_id}\n" for f in found)
+    listed = "".join(f"  --url {text(f.url, MAX_SHOWN)}   pid {f.pid}, run "
+                     f"{text(f.run_id, MAX_SHOWN)}\n" for f in found)
     sys.stderr.write(f"{PROG}: {len(found)} supervisors run on this host; pick one:\n{listed}")
     return None
 
@@ -170,13 +173,14 @@ def _job_status(ns: argparse.Namespace) -> int:
         config = make_config(endpoint=ns.rdzv_endpoint, run_id=ns.rdzv_id, nnodes="1",
                              rdzv_conf=ns.rdzv_conf)
     except RendezvousConfigError as exc:
-        sys.stderr.write(f"{PROG}: error: {exc}\n")
+        sys.stderr.write(f"{PROG}: error: {text(exc, MAX_SHOWN)}\n")
         return EXIT_USAGE
     try:
-        rows, skipped = _read_job(config, ns.timeout)
+        found, skipped = _read_job(config, ns.timeout)
     except StatusError as exc:
-        sys.stderr.write(f"{PROG}: {exc}\n")
+        sys.stderr.write(f"{PROG}: {text(exc, MAX_SHOWN)}\n")
         return EXIT_UNREACHABLE
+    rows = [as_dict(sanitise(row)) for row in found]
     now = time.time()
     if skipped:
         sys.stderr.write(f"{PROG}: skipped {skipped} malformed node summary(ies) in etcd\n")
@@ -191,7 +195,7 @@ def _job_status(ns: argparse.Namespace) -> int:
         # ensure_ascii: a sibling's control characters arrive escaped, never raw
         sys.stdout.write(json.dumps(rows, indent=2, sort_keys=True) + "\n")
     else:
-        sys.stdout.write(clean(format_job(ns.rdzv_id, rows, now)))
+        sys.stdout.write(clean(format_job(text(ns.rdzv_id, MAX_SHOWN), rows, now)))
     return EXIT_OK
 
 
@@ -244,7 +248,7 @@ def format_job(run_id: str, rows: Sequence[dict[str, Any]], now_wall: float) -> 
 def format_status(doc: dict[str, Any]) -> str:
     """A short human summary of a status document, ending with a worker table."""
     lines = _summary_lines(doc)
-    workers = doc.get("workers") or []
+    workers = [as_dict(w) for w in as_list(doc.get("workers"))]
     if workers:
         lines.append("")
         lines.extend(_worker_table(workers))
@@ -252,9 +256,9 @@ def format_status(doc: dict[str, Any]) -> str:
 
 
 def _summary_lines(doc: dict[str, Any]) -> list[str]:
-    restarts = doc.get("restarts") or {}
-    rdzv = doc.get("rendezvous") or {}
-    members = rdzv.get("members") or []
+    restarts = as_dict(doc.get("restarts"))
+    rdzv = as_dict(doc.get("rendezvous"))
+    members = as_list(rdzv.get("members"))
     lines = [
         f"run         {doc.get('run_id')}  (role {doc.get('role')}, "
         f"version {doc.get('version')}, up {_duration(doc.get('uptime'))})",
@@ -267,7 +271,7 @@ def _summary_lines(doc: dict[str, Any]) -> list[str]:
     lines.extend(_waiting_lines(rdzv.get("etcd")))
     if doc.get("status"):
         lines.append(f"status      {doc['status']}")
-    failure = doc.get("last_failure")
+    failure = as_dict(doc.get("last_failure"))
     if failure:
         lines.append(
             f"failure     attempt {failure.get('attempt')}: {failure.get('description')}"
@@ -285,17 +289,16 @@ def _health_lines(health: object) -> list[str]:
     quarantined nodes."""
     if not isinstance(health, dict):
         return []
-    check = health.get("last_check") or {}
-    text = f"node health {health.get('node')}: {health.get('state')}"
+    check = as_dict(health.get("last_check"))
+    line = f"node health {health.get('node')}: {health.get('state')}"
     if health.get("reason"):
-        text += f" ({health['reason']})"
-    if isinstance(check, dict) and check:
-        text += f", last check {'passed' if check.get('ok') else 'failed'}"
-    lines = [text]
-    job = health.get("job") or {}
-    for held in (job.get("quarantined") or []) if isinstance(job, dict) else []:
-        if isinstance(held, dict):
-            lines.append(f"quarantined {held.get('node')}: {held.get('reason')}")
+        line += f" ({health['reason']})"
+    if check:
+        line += f", last check {'passed' if check.get('ok') else 'failed'}"
+    lines = [line]
+    for held in as_list(as_dict(health.get("job")).get("quarantined")):
+        held = as_dict(held)
+        lines.append(f"quarantined {held.get('node')}: {held.get('reason')}")
     return lines
 
 
@@ -326,7 +329,7 @@ def _waiting_lines(etcd: object) -> list[str]:
 def _readiness_lines(readiness: object) -> list[str]:
     if not isinstance(readiness, dict):
         return []
-    waiting = readiness.get("awaiting_progress") or []
+    waiting = as_list(readiness.get("awaiting_progress"))
     text = f"ready when  {readiness.get('ready_when')}"
     if waiting:
         text += ", waiting for progress from local rank(s) " + ", ".join(map(str, waiting))
@@ -396,14 +399,8 @@ def _worker_row(w: dict[str, Any]) -> tuple[str, ...]:
     )
 
 
-def clean(text: str) -> str:
-    """``text`` with every control character but newline shown as ``?``."""
-    return _CONTROL.sub("?", text)
-
-
-def _cell(text: str) -> str:
-    text = clean(text).replace("\n", " ")
-    return text if len(text) <= MAX_CELL else text[: MAX_CELL - 3] + "..."
+def _cell(value: str) -> str:
+    return text(value, MAX_CELL)
 
 
 def _dash(value: object) -> str:

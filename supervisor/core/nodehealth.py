@@ -139,7 +139,13 @@ def with_failure(record: NodeRecord, failure: NodeFailure, now: float, window: f
 
 
 def quarantined(record: NodeRecord, reason: str, now: float) -> NodeRecord:
-    return msgspec.structs.replace(record, quarantined=Quarantine(now, reason[:MAX_TEXT]))
+    return msgspec.structs.replace(record, quarantined=Quarantine(now, record_text(reason)))
+
+
+def record_text(text: str) -> str:
+    """A description or reason as records keep it: one printable line of at most
+    ``MAX_TEXT`` characters (the rule every node's reader holds records to)."""
+    return "".join(c if c.isprintable() else " " for c in text[:MAX_TEXT])
 
 
 def judge(mine: NodeRecord, others: Sequence[NodeRecord], limits: Limits,

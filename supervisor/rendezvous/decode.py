@@ -32,8 +32,10 @@ import logging
 import math
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -164,7 +166,8 @@ class Goodput(msgspec.Struct, frozen=True):
 
 class Summary(msgspec.Struct, frozen=True):
     """``/elastic-supervisor-status/<run>/<node>``: one node's row of the job-wide view.
-    Cells are bounded here; the status view strips control characters when it prints."""
+    Cells are bounded and printable; the health URL is ``http(s)://HOST:PORT`` (a peer
+    fetches it and posts leave notices to it: ``peer_health_url`` also checks the host)."""
 
     node_id: _Short
     node_rank: _Rank | None = None
@@ -177,6 +180,40 @@ class Summary(msgspec.Struct, frozen=True):
     health_url: Annotated[str, msgspec.Meta(max_length=512)] | None = None
     last_failure: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
     goodput: Goodput | None = None
+
+    def __post_init__(self) -> None:
+        _require_printable(self.node_id, *(t for t in (self.host, self.state,
+                                                       self.last_failure) if t is not None))
+        if self.health_url is not None and health_url_host(self.health_url) is None:
+            raise ValueError("health_url is not http(s)://HOST:PORT")
+
+
+def health_url_host(url: str) -> str | None:
+    """The host of ``url`` if it is ``http(s)://HOST:PORT`` and nothing more (no user, path,
+    query, fragment or control character), else None."""
+    if not printable(url) or any(c.isspace() for c in url) or len(url) > 300:
+        return None
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if (parts.scheme not in ("http", "https") or not parts.hostname or port is None
+            or parts.username is not None or parts.path or parts.query or parts.fragment
+            or url.endswith(("?", "#"))):
+        return None
+    return parts.hostname
+
+
+def peer_health_url(url: str | None, member_addr: str | None) -> str | None:
+    """``url`` if it is a health URL (``health_url_host``) on ``member_addr``, the address
+    that member advertised when it joined the round: a summary in etcd can never make this
+    node fetch, or post to, another host."""
+    if url is None or not member_addr:
+        return None
+    host = health_url_host(url)
+    wanted = member_addr.strip("[]").lower()
+    return url if host is not None and host.lower() == wanted else None
 
 
 class OnBad(enum.Enum):
@@ -194,6 +231,37 @@ class Schema:
     type: type[msgspec.Struct]
     max_bytes: int
     on_bad: OnBad
+    check: Callable[[Any], None] | None = None  # rules a Struct of core/ cannot hold
+
+
+def _short_text(*texts: str, limit: int = nh.MAX_TEXT) -> None:
+    """Node ids, reasons and descriptions of the healing records: printable, bounded (the
+    writers cut them at ``nh.MAX_TEXT``), so that ``/status`` and ``node list`` stay small."""
+    for text in texts:
+        if len(text) > limit:
+            raise ValueError(f"a text of {len(text)} characters, at most {limit}")
+    _require_printable(*texts)
+
+
+def _check_failure(f: nh.NodeFailure | nh.RoundCause) -> None:
+    _short_text(f.description, f.signature.kind)
+
+
+def _check_cause(cause: nh.RoundCause) -> None:
+    _short_text(cause.node, cause.member)
+    _check_failure(cause)
+
+
+def _check_record(record: nh.NodeRecord) -> None:
+    if not node_part_ok(record.node):
+        raise ValueError("node is not a node id")
+    _short_text(record.member)
+    if len(record.failures) > nh.MAX_KEPT_FAILURES:
+        raise ValueError(f"{len(record.failures)} failures, at most {nh.MAX_KEPT_FAILURES}")
+    for failure in record.failures:
+        _check_failure(failure)
+    if record.quarantined is not None:
+        _short_text(record.quarantined.reason)
 
 
 # key kind -> schema. Keys read only for their presence or lease (ctl/leader,
@@ -209,8 +277,8 @@ SCHEMAS: dict[str, Schema] = {
     "status": Schema(Summary, 8 << 10, OnBad.IGNORE),
     # healing (rendezvous/etcd_health.py): a bad cause or record is one node's claim
     # about itself; the job is safe without it (the node counts as having none)
-    "ctl/cause": Schema(nh.RoundCause, 16 << 10, OnBad.IGNORE),
-    "health": Schema(nh.NodeRecord, 256 << 10, OnBad.IGNORE),
+    "ctl/cause": Schema(nh.RoundCause, 16 << 10, OnBad.IGNORE, _check_cause),
+    "health": Schema(nh.NodeRecord, 64 << 10, OnBad.IGNORE, _check_record),
 }
 
 IGNORED: Counter[str] = Counter()  # key kind -> bad values ignored (this process)
@@ -257,6 +325,8 @@ def _decode(raw: bytes, schema: Schema) -> msgspec.Struct:
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise ValueError(shown(str(exc), 120)) from None
     _check_floats(value)
+    if schema.check is not None:
+        schema.check(value)
     return value
 
 

@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
 import anyio
@@ -34,6 +34,7 @@ from supervisor.core.partition import (
     parse_peer_status,
     peers_to_ask,
 )
+from supervisor.rendezvous.decode import Summary, decode, peer_health_url
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
 from supervisor.rendezvous.summary import summary_prefix
 
@@ -64,6 +65,7 @@ class CutoffCheck:
         self._on_cut_off = on_cut_off
         self._round = -1
         self._members: tuple[str, ...] = ()
+        self._addrs: dict[str, str] = {}  # member -> the address it joined the round with
         self._urls: dict[str, str] = {}  # peer node id -> health URL
         self._in_outage = False
         self._version = 0  # bumped on every change of round or reachability
@@ -84,9 +86,11 @@ class CutoffCheck:
         """The health URL of a peer, if this node read it (``learn_peers``)."""
         return self._urls.get(node)
 
-    def round_started(self, round_: int, members: Sequence[str]) -> None:
-        """This node runs round ``round_`` with ``members`` (group-rank order)."""
-        self._round, self._members = round_, tuple(members)
+    def round_started(self, round_: int, members: Sequence[str],
+                      addrs: Mapping[str, str]) -> None:
+        """This node runs round ``round_`` with ``members`` (group-rank order), who joined
+        it with the addresses ``addrs`` (a peer's health URL must be on its address)."""
+        self._round, self._members, self._addrs = round_, tuple(members), dict(addrs)
         self._poke()
 
     def round_ended(self) -> None:
@@ -139,7 +143,8 @@ class CutoffCheck:
             except (EtcdError, TimeoutError) as exc:
                 logger.debug("cannot read %s's status summary: %s", peer, exc)
                 return False
-            url = _health_url(kv.value if kv is not None else b"")
+            url = (peer_health_url(_summary_url(kv.key, kv.value), self._addrs.get(peer))
+                   if kv is not None else None)
             if url is None:
                 logger.debug("no health URL for %s yet", peer)
                 return False
@@ -197,13 +202,7 @@ class CutoffCheck:
         return parse_peer_status(peer, doc, self._run_id)
 
 
-def _health_url(value: bytes) -> str | None:
-    """The ``health_url`` of a status summary, if it is a plain http(s) URL."""
-    try:
-        doc = json.loads(value)
-    except (ValueError, RecursionError):  # deep nesting too: a peer wrote it
-        return None
-    url = doc.get("health_url") if isinstance(doc, dict) else None
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        return None
-    return url.rstrip("/")
+def _summary_url(key: str, value: bytes) -> str | None:
+    """The ``health_url`` of a status summary that decodes (``decode.Summary``)."""
+    summary = decode("status", key, value, Summary)
+    return summary.health_url if summary is not None else None

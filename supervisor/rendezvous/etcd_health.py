@@ -224,15 +224,31 @@ class EtcdNodeLedger:
                                                 retry_window=None)
         except (EtcdError, TimeoutError):
             return {}
-        now = time.time()
-        records = records_of(list(found.kvs), self.prefix)
-        return {
-            "quarantined": [{"node": r.node, "reason": r.quarantined.reason,
-                             "at": r.quarantined.at}
-                            for r in records if r.quarantined is not None],
-            "failures": {r.node: len(nh.recent(r.failures, now, self.limits.window))
-                         for r in records},
-        }
+        return job_view(records_of(list(found.kvs), self.prefix), time.time(),
+                        self.limits.window)
+
+
+MAX_SHOWN_NODES = 32
+"""Nodes listed in ``/status``'s node-health section (quarantined ones, and those with the
+most failures): with each record's texts bounded by ``decode``, the section stays a few
+tens of KiB whatever the job's size or what its nodes wrote."""
+
+
+def job_view(records: list[nh.NodeRecord], now: float, window: float) -> dict[str, Any]:
+    """The job's node records as ``/status`` shows them, bounded as a whole."""
+    held = [r for r in records if r.quarantined is not None]
+    counts = sorted(((len(nh.recent(r.failures, now, window)), r.node) for r in records),
+                    reverse=True)
+    view: dict[str, Any] = {
+        "quarantined": [{"node": r.node, "reason": r.quarantined.reason,
+                         "at": r.quarantined.at}
+                        for r in held[:MAX_SHOWN_NODES] if r.quarantined is not None],
+        "failures": {node: count for count, node in counts[:MAX_SHOWN_NODES]},
+    }
+    left_out = max(0, len(held) - MAX_SHOWN_NODES) + max(0, len(counts) - MAX_SHOWN_NODES)
+    if left_out:
+        view["not_shown"] = left_out
+    return view
 
 
 async def clear_node(client: EtcdClient, prefix: str, node: str) -> bool:

@@ -25,7 +25,7 @@ import anyio
 import msgspec
 
 from supervisor.core.goodput import Ledger, totals
-from supervisor.core.nodehealth import NodeRecord
+from supervisor.core.nodehealth import NodeRecord, record_text
 from supervisor.core.snapshot import Snapshot
 from supervisor.rendezvous.decode import Summary, decode, printable
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError, hedge_delay
@@ -60,14 +60,15 @@ def node_summary(
         "host": host,
         # a spare waits in the rendezvous phase: say what it is
         "state": "spare" if health.get("spare") else snapshot.phase,
-        "health": ({"state": health.get("state"), "reason": str(health.get("reason") or "")[:300]}
-                   if health else None),
+        "health": ({"state": health.get("state"),
+                    "reason": record_text(str(health.get("reason") or ""))} if health else None),
         "attempt": snapshot.attempt,
         "restarts": snapshot.restart_count,
         "max_restarts": snapshot.max_restarts,
         "world_size": snapshot.world_size,
         "health_url": health_url,
-        "last_failure": failure.description[:300] if failure else None,
+        # one printable line: readers drop a summary that is not (decode.Summary)
+        "last_failure": record_text(failure.description) if failure else None,
         "goodput": _goodput(snapshot.goodput, mono_to_wall),
     }
 

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from supervisor.core.leave_notice import GRACE, notice_body
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
-from supervisor.rendezvous.etcd_cutoff import CutoffCheck, _health_url
+from supervisor.rendezvous.etcd_cutoff import CutoffCheck, _summary_url
 from supervisor.rendezvous.leave_notice import RECHECK, LeaveNotices
 from tests.support.ports import free_port
 
@@ -50,14 +50,14 @@ def check(url: str) -> CutoffCheck:
     """A cut-off check of node "a" in round 3 with "b" and "c", which knows c's URL."""
     made = CutoffCheck(EtcdClient(["http://127.0.0.1:9"]), RUN, "a", ttl=6.0,
                        last_refresh_sent=lambda: 0.0, on_cut_off=lambda reason: None)
-    made.round_started(3, ["a", "b", "c"])
+    made.round_started(3, ["a", "b", "c"], {"a": "127.0.0.1", "b": "127.0.0.1", "c": "127.0.0.1"})
     made._urls["c"] = url  # what learn_peers would have read from etcd
     return made
 
 
 def test_a_summary_nested_too_deep_has_no_health_url() -> None:
-    assert _health_url(b'{"health_url": ' + DEEP) is None
-    assert _health_url(DEEP) is None
+    assert _summary_url("k", b'{"health_url": ' + DEEP) is None
+    assert _summary_url("k", DEEP) is None
 
 
 @pytest.mark.parametrize("body", BODIES, ids=IDS)
