@@ -136,7 +136,7 @@ async def test_several_supervisors_are_listed_without_escapes(tmp_path: Path) ->
     tmp = shared_tmp(tmp_path)
     async with hostile_server() as (url, asked):
         plant(tmp, "one", url, f"one{ESC}]0;title\x07")
-        plant(tmp, "two", url, f"two\u202e")
+        plant(tmp, "two", url, "two\u202e")
         shown = await status(tmp)
     assert shown.returncode == 2  # the user picks one
     assert asked == []
