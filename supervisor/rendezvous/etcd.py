@@ -742,7 +742,7 @@ class EtcdRendezvous:
         sizes = [m.local_world_size for m in members]
         self._last_round, self._advance_reason = n, ""
         spare, self._was_spare = self._was_spare, False
-        self._cutoff.round_started(n, ids, {m.node: m.addr for m in members})
+        self._cutoff.round_started(n, ids)
         return RendezvousResult(
             round=n, group_rank=rank, group_world_size=len(members),
             rank_offset=sum(sizes[:rank]), world_size=sum(sizes),

@@ -20,7 +20,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 import aiohttp
 import anyio
@@ -34,8 +34,9 @@ from supervisor.core.partition import (
     parse_peer_status,
     peers_to_ask,
 )
-from supervisor.rendezvous.decode import Summary, decode, peer_health_url
+from supervisor.rendezvous.decode import Join, Summary, decode, peer_health_url
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
+from supervisor.rendezvous.etcd_state import Keys
 from supervisor.rendezvous.summary import summary_prefix
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ class CutoffCheck:
         self._on_cut_off = on_cut_off
         self._round = -1
         self._members: tuple[str, ...] = ()
-        self._addrs: dict[str, str] = {}  # member -> the address it joined the round with
         self._urls: dict[str, str] = {}  # peer node id -> health URL
         self._in_outage = False
         self._version = 0  # bumped on every change of round or reachability
@@ -86,11 +86,9 @@ class CutoffCheck:
         """The health URL of a peer, if this node read it (``learn_peers``)."""
         return self._urls.get(node)
 
-    def round_started(self, round_: int, members: Sequence[str],
-                      addrs: Mapping[str, str]) -> None:
-        """This node runs round ``round_`` with ``members`` (group-rank order), who joined
-        it with the addresses ``addrs`` (a peer's health URL must be on its address)."""
-        self._round, self._members, self._addrs = round_, tuple(members), dict(addrs)
+    def round_started(self, round_: int, members: Sequence[str]) -> None:
+        """This node runs round ``round_`` with ``members`` (group-rank order)."""
+        self._round, self._members = round_, tuple(members)
         self._poke()
 
     def round_ended(self) -> None:
@@ -135,16 +133,13 @@ class CutoffCheck:
         peers = peers_to_ask(self._members, self._node_id, PEERS)
         peers += [p for p in told_by(self._members, self._node_id) if p not in peers]
         wanted = [p for p in peers if p not in self._urls]
-        prefix = summary_prefix(self._run_id)
         for peer in wanted:
             try:
                 with anyio.fail_after(self._client.timeout):
-                    kv = await self._client.get(prefix + peer)
+                    url = await self._peer_url(peer)
             except (EtcdError, TimeoutError) as exc:
                 logger.debug("cannot read %s's status summary: %s", peer, exc)
                 return False
-            url = (peer_health_url(_summary_url(kv.key, kv.value), self._addrs.get(peer))
-                   if kv is not None else None)
             if url is None:
                 logger.debug("no health URL for %s yet", peer)
                 return False
@@ -153,6 +148,18 @@ class CutoffCheck:
             logger.info("round %d: the peers to ask or to be told by are %s", self._round,
                         ", ".join(f"{p} at {self._urls[p]}" for p in wanted))
         return True
+
+    async def _peer_url(self, peer: str) -> str | None:
+        """The health URL in ``peer``'s status summary, if it is one on the address the peer
+        joined this round with (two reads: the summary and the join key)."""
+        summary = await self._client.get(summary_prefix(self._run_id) + peer)
+        url = _summary_url(summary.key, summary.value) if summary is not None else None
+        if url is None:
+            return None
+        key = Keys(self._run_id).node(self._round, "join", peer)
+        kv = await self._client.get(key)
+        join = decode("nodes/join", key, kv.value, Join) if kv is not None else None
+        return peer_health_url(url, join.addr if join is not None else None)
 
     async def _ask_until_decided(self) -> None:
         round_ = self._round

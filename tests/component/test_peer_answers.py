@@ -50,7 +50,7 @@ def check(url: str) -> CutoffCheck:
     """A cut-off check of node "a" in round 3 with "b" and "c", which knows c's URL."""
     made = CutoffCheck(EtcdClient(["http://127.0.0.1:9"]), RUN, "a", ttl=6.0,
                        last_refresh_sent=lambda: 0.0, on_cut_off=lambda reason: None)
-    made.round_started(3, ["a", "b", "c"], {"a": "127.0.0.1", "b": "127.0.0.1", "c": "127.0.0.1"})
+    made.round_started(3, ["a", "b", "c"])
     made._urls["c"] = url  # what learn_peers would have read from etcd
     return made
 
