@@ -204,7 +204,10 @@ class Watchdog:
         self.attempt = attempt
 
     def clear(self) -> None:
-        """The group stopped: drop all deadlines and cancel escalations still running."""
+        """The group stopped: drop all deadlines, the requests read but not yet handled
+        (they were posted for that group), and cancel escalations still running."""
+        self._handled += len(self._backlog)  # a judgement waiting for them goes on
+        self._backlog.clear()
         self._table.clear()
         for scope in self._escalations:
             scope.cancel()
