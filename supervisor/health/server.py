@@ -410,7 +410,10 @@ def pending_on(transport: asyncio.BaseTransport) -> Pending:
     raw = transport.get_extra_info("socket")
     if raw is None or transport.is_closing():
         return Pending.CLOSING
-    sock = socket.socket(fileno=raw.fileno())  # borrowed: detached below, never closed
+    try:
+        sock = socket.socket(fileno=raw.fileno())  # borrowed: detached below, never closed
+    except (OSError, ValueError):  # the descriptor is already gone
+        return Pending.CLOSING
     try:
         head = sock.recv(PEEK_BYTES, socket.MSG_PEEK | socket.MSG_DONTWAIT)
     except BlockingIOError:
