@@ -20,6 +20,7 @@ from supervisor.health.server import (
     Pending,
     cap_connections,
     make_app,
+    pending_on,
 )
 from tests.support.health import Harness, running_server
 from tests.support.metrics import metric_samples
@@ -76,6 +77,49 @@ def test_ledger_refuses_the_new_connection_when_every_other_holds_a_probe() -> N
     ledger.opened(a, ta)
     ledger.opened(b, tb)
     assert ledger.opened(c, tc) is tc and ledger.evicted == 0
+
+
+class _Unread(asyncio.Protocol):
+    """A server side that reads nothing: what the client sent stays in the kernel."""
+
+    def __init__(self, made: asyncio.Future[asyncio.Transport]) -> None:
+        self._made = made
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.pause_reading()
+        self._made.set_result(transport)
+
+
+@pytest.mark.parametrize(("sent", "held"), [
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n", Pending.PROBE),
+    (b"HEAD /readyz HTTP/1.1\r\n\r\n", Pending.PROBE),
+    (b"GET /healthz HTTP/1.1\r\nHost: x\r\n", Pending.OTHER),  # half sent
+    (NOTICE_HEADERS, Pending.OTHER),
+    (b"", Pending.NOTHING),
+])
+async def test_what_waits_unread_on_a_connection_is_peeked_not_read(
+    sent: bytes, held: Pending
+) -> None:
+    loop = asyncio.get_running_loop()
+    made: asyncio.Future[asyncio.Transport] = loop.create_future()
+    server = await loop.create_server(lambda: _Unread(made), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        with anyio.fail_after(10):
+            async with await anyio.connect_tcp("127.0.0.1", port) as client:
+                if sent:
+                    await client.send(sent)
+                transport = await made
+                while sent and pending_on(transport) is Pending.NOTHING:
+                    await anyio.sleep(0.01)  # until the bytes crossed loopback
+                assert pending_on(transport) is held
+                assert pending_on(transport) is held  # peeked: still there
+                transport.close()
+                assert pending_on(transport) is Pending.CLOSING
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_a_refused_connection_is_counted_and_logs_nothing(
