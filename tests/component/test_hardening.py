@@ -23,7 +23,8 @@ import pytest
 from msgspec.structs import replace
 
 from supervisor.core.snapshot import MAX_MESSAGE_CHARS, FailureView, cap_text
-from supervisor.health.server import MAX_CONNECTIONS, ConnectionLedger, load_openapi
+from supervisor.health.connections import ConnectionLedger
+from supervisor.health.server import MAX_CONNECTIONS, load_openapi
 from supervisor.workers.attemptdir import MAX_SKIPPED, create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
 from tests.support.daemon import supervisor

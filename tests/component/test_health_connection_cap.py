@@ -14,14 +14,13 @@ import anyio
 import pytest
 from aiohttp import web
 
-from supervisor.health.server import (
-    MAX_NOTICE_BODIES,
+from supervisor.health.connections import (
     ConnectionLedger,
     Pending,
     cap_connections,
-    make_app,
     pending_on,
 )
+from supervisor.health.server import MAX_NOTICE_BODIES, make_app
 from tests.support.health import Harness, running_server
 from tests.support.metrics import metric_samples
 
