@@ -5,8 +5,9 @@ through one sanitiser (issue 52, finding 5): a directory planted by ``nobody`` m
 and crash with ``OverflowError`` (``uptime`` 1e999) and ``AttributeError``
 (``last_failure`` "boom").
 
-Real processes: the command runs as a subprocess; the planted documents are served by a
-real HTTP server that counts who asked.
+Real processes: ``nobody`` plants its directory itself (``setpriv``), the command runs as
+a subprocess, and the planted documents are served by a real HTTP server that counts who
+asked.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import pwd
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +26,8 @@ import anyio
 from aiohttp import web
 
 from supervisor.discovery import ANNOUNCE, RUN_PREFIX, find_supervisors
+from tests.support import deps
+from tests.support.users import as_user
 
 ESC = "\x1b"
 # a status document as a hostile server sends it: every field of the wrong type, a number
@@ -88,12 +92,30 @@ async def status(tmp: Path, *args: str) -> subprocess.CompletedProcess[str]:
         env={**os.environ, "TMPDIR": str(tmp)}, capture_output=True, text=True, timeout=30))
 
 
+def plant_as_nobody(tmp: Path, url: str, run_id: str) -> Path:
+    """What ``nobody`` can do in a shared temp dir: make a directory that looks like a
+    supervisor's, announcing a live pid (this test's) at ``url``; made by that user."""
+    if os.geteuid() != 0:
+        deps.missing("root, to drop to user nobody (run the tests as root, as .ci/run does)")
+    deps.need_binary("setpriv", "apt-get install util-linux")
+    where = tmp / f"{RUN_PREFIX}nobody"
+    body = json.dumps({"pid": os.getpid(), "url": url, "run_id": run_id})
+    script = 'umask 077 && mkdir "$1" && printf "%s" "$2" > "$1/health.json"'
+    nobody = pwd.getpwnam("nobody").pw_uid  # by number: its group is not named alike
+    subprocess.run([*as_user(str(nobody)), "/bin/sh", "-c", script, "plant", str(where), body],
+                   check=True, timeout=30)
+    assert where.stat().st_uid == nobody
+    return where
+
+
 async def test_a_directory_planted_by_another_user_is_never_read(tmp_path: Path) -> None:
-    tmp = shared_tmp(tmp_path)
-    async with hostile_server() as (url, asked):
-        plant(tmp, "nobody", url, f"planted{ESC}[2J", owner="nobody")
-        assert find_supervisors([tmp / f"{RUN_PREFIX}nobody"]) == []
-        shown = await status(tmp)
+    with tempfile.TemporaryDirectory(dir="/tmp") as shared:  # pytest's tmp is root's only
+        tmp = Path(shared)
+        tmp.chmod(0o1777)  # like /tmp: anyone may make a directory there
+        async with hostile_server() as (url, asked):
+            planted = plant_as_nobody(tmp, url, f"planted{ESC}[2J")
+            assert find_supervisors([planted]) == []
+            shown = await status(tmp)
     assert asked == []  # never fetched: what it names is never asked
     assert "planted" not in shown.stdout + shown.stderr
     assert ESC not in shown.stdout + shown.stderr
