@@ -57,7 +57,7 @@ async def test_a_deadline_flood_never_stalls_the_loop(
             tg.cancel_scope.cancel()
     finally:
         os.killpg(chain.pid, signal.SIGKILL)
-        await chain.wait()
+        await chain.aclose()  # waits for it and closes its pipes
         owners.close()
     handled = h.metrics.accepted if outcome == "accepted" else h.metrics.rejected[outcome]
     assert handled > 10_000, (h.metrics.accepted, h.metrics.rejected)  # it was a flood

@@ -57,10 +57,10 @@ async def test_every_probe_is_answered_during_a_flood_of_bodiless_leave_notices(
         await sup.out.expect(r"^ready 0 ", 30)
         port = await sup.serving()
         logged_before = len(sup.err.lines)
-        flood = await anyio.open_process(
-            [sys.executable, str(WORKERS / "notice_flood.py"), str(port), str(ATTACKERS)])
         said = Stream()
-        async with anyio.create_task_group() as tg:
+        async with await anyio.open_process(  # closed last: its pipes too
+                [sys.executable, str(WORKERS / "notice_flood.py"), str(port), str(ATTACKERS)]
+        ) as flood, anyio.create_task_group() as tg:
             assert flood.stdout is not None
             tg.start_soon(pump, flood.stdout, said)
             try:
