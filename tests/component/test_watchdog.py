@@ -503,7 +503,8 @@ async def test_hang_dump_runs_before_the_worker_is_signalled(
     fifo: Path, spawn: SpawnFn, tmp_path: Path
 ) -> None:
     fake = fake_py_spy(tmp_path)
-    dumps = tmp_path / "dumps"
+    dumps = tmp_path / "dumps"  # a rank directory of the job's: it exists, and is private
+    dumps.mkdir(mode=0o700)
     config = WatchdogConfig(
         kill_grace=0.5,
         hang_dump=HangDump("py-spy", timeout=WAIT, py_spy=str(fake)),
@@ -608,6 +609,7 @@ def fake_py_spy(tmp_path: Path, body: str = "") -> Path:
 
 async def test_py_spy_dump_is_saved(spawn: SpawnFn, tmp_path: Path) -> None:
     child = await spawn("ignore-term")
+    (tmp_path / "a").mkdir(mode=0o700)  # the rank's directory, made before any dump
     out = tmp_path / "a" / "dump.txt"
     spec = HangDump("py-spy", timeout=WAIT, py_spy=str(fake_py_spy(tmp_path)))
     with handle_of(child.pid) as handle:
