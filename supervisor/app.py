@@ -45,7 +45,7 @@ from supervisor.controller import (
     restart_policy,
 )
 from supervisor.core import state as sm
-from supervisor.core.envs import default_omp_threads, interpreter
+from supervisor.core.envs import default_omp_threads, interpreter, standby_python
 from supervisor.core.snapshot import ProgressTable
 from supervisor.discovery import announce, local_url
 from supervisor.events import EventLog
@@ -377,21 +377,36 @@ def make_pool(
 ) -> Pool:
     """The warm pool (``--no-warm-restart``: none, every attempt starts cold; nor where
     no attempt can follow the first and nothing is preloaded: its code is not even
-    imported then).
+    imported then; nor where no standby can run the command, which ``--preload`` is told
+    in one warning line).
 
-    ``fork_server``: with ``--preload``, standbys are forked from one fork server per
-    node; only where we are a child subreaper (the daemon), so that a forked standby is
-    reparented to us. The embedded API keeps standbys that import for themselves.
+    ``fork_server``: with ``--preload``, every attempt's workers start in interpreters
+    forked from one fork server per node; only where we are a child subreaper (the
+    daemon), so that a forked standby is reparented to us. The embedded API keeps
+    standbys that import for themselves (for restarts only).
     ``run_dir``: where ``--preload auto`` keeps what it learned for the next run."""
     second_attempt = attempt_may_follow(0, settings.max_restarts,
                                         rendezvous.capabilities.membership_can_change)
     if settings.no_warm_restart or not (second_attempt or settings.preload):
         return NullPool()
+    python = standby_python(environ.get("PYTHON_EXEC", sys.executable),
+                            no_python=settings.no_python, script=settings.training_script,
+                            args=settings.training_script_args)
+    why = (f"{settings.training_script} is not a Python interpreter run as "
+           "'PYTHON -u SCRIPT' (or -m MODULE, -c CODE)") if python is None else None
+    if python is not None and python != sys.executable:
+        from supervisor.workers.warm.interpreter import unsupported
+
+        why = unsupported(python, environ)
+    if why is not None:
+        if settings.preload:
+            logger.warning("preload: no effect, every attempt starts cold: %s", why)
+        return NullPool()
+    assert python is not None
     from supervisor.workers.warm.pool import WarmPool
 
-    python = environ.get("PYTHON_EXEC", sys.executable)
     forks = None
-    if fork_server and settings.preload and not settings.no_fork_server:
+    if fork_server and settings.preload:
         from supervisor.workers.warm.forkslot import ForkSlot
 
         forks = ForkSlot(death=death, prefix=interpreter(python), guardian=guardian)

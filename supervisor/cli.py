@@ -112,20 +112,13 @@ def _run_parser() -> argparse.ArgumentParser:
     _flag(p, "hang-dump", help="none, py-spy or signal:SIGUSR1 before killing a hung rank")
     _flag(p, "hang-state-timeout", type=float, help="D state longer than this is fatal (60 s)")
     _flag(p, "loop-nice", type=int,
-          help="nice value of the event loop ahead of its workers (-15; 0 = off; "
+          help="nice value of the event loop ahead of its workers (default 0: off; "
                "needs CAP_SYS_NICE or LimitNICE=)")
     _flag(p, "no-warm-restart", action="store_const", const=True,
           help="start restarted workers cold, not in pre-started interpreters")
     _flag(p, "preload", type=_csv,
-          help="modules each standby imports before a restart, e.g. torch,torch._dynamo")
-    _flag(p, "preload-after", type=float,
-          help="without the fork server: standbys start preloading once every rank "
-               "progressed, or after this (5 s)")
-    _flag(p, "no-fork-server", action="store_const", const=True,
-          help="with --preload: each standby imports for itself (no fork server)")
-    _flag(p, "fork-first-attempt", action="store_const", const=True,
-          help="with --preload: the first attempt also starts in interpreters forked "
-               "from the fork server, if it is ready when the rendezvous completes")
+          help="modules the node's fork server imports once; every attempt's workers "
+               "start in interpreters forked from it, e.g. torch,torch._dynamo, or auto")
     _flag(p, "max-node-failures", type=int,
           help="a node that is the root cause of K failures in the window quarantines "
           "itself: exit 200 (default 0: off)")

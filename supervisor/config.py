@@ -87,14 +87,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     hang_dump: str = "none"
     hang_state_timeout: float = 60.0
     # the event loop's nice value (and its autogroup's), workers keep 0: supervisor/priority.py
-    loop_nice: int = -15
+    loop_nice: int = 0
     no_warm_restart: bool = False  # restarted workers start in pre-started interpreters
     preload: list[str] = msgspec.field(default_factory=list)  # modules standbys import
-    preload_after: float = 5.0  # standbys preload once every rank progressed, or after this
-    no_fork_server: bool = False  # --preload: standbys import for themselves, not forked
-    # --preload: the first attempt starts in standbys forked while the rendezvous formed
-    # (a spare's first attempt always does: healing)
-    fork_first_attempt: bool = False
     # healing (core.nodehealth): a bad node takes itself out, a spare takes its place
     max_node_failures: int = 0  # root-cause failures in the window that quarantine (0: off)
     node_failure_window: float = 3600.0
@@ -317,7 +312,6 @@ def validate(s: Settings) -> None:
     for module in s.preload:
         ok = all(part.isidentifier() for part in module.split("."))
         checks.append((ok, f"preload: {module!r} is not a module name (e.g. torch,torch._dynamo)"))
-    checks.append((s.preload_after >= 0, "preload_after: must be >= 0 seconds"))
     checks += [(False, problem) for problem in check_limits(healing_limits(s))]
     checks += [
         (s.node_check_timeout > 0, "node_check_timeout: must be > 0 seconds"),
@@ -392,13 +386,10 @@ def advisories(s: Settings) -> list[tuple[int, str]]:
                       f"logs_specs: {s.logs_specs!r} is torch's DefaultLogsSpecs: worker "
                       "logs follow our own layout, LOG_DIR/RUN_ID/attempt_K/LOCAL_RANK/ "
                       "(set by log_dir, redirects, tee, local_ranks_filter)"))
-    if s.preload and (s.no_warm_restart or (s.rdzv_backend == "static"
-                                             and s.max_restarts == 0)):
-        why = ("no_warm_restart starts no standbys" if s.no_warm_restart else
-               "max_restarts is 0 and the static backend never restarts for membership, "
-               "so no standby is started; give --max-restarts N")
+    if s.preload and s.no_warm_restart:  # it wins: every attempt starts cold
         notes.append((logging.WARNING,
-                      f"preload: no effect ({','.join(s.preload)}): {why}"))
+                      f"preload: no effect ({','.join(s.preload)}): no_warm_restart starts "
+                      "every attempt cold, without the fork server"))
     return notes
 
 

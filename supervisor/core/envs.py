@@ -6,6 +6,8 @@ result with a recorded expectation without touching ``os.environ``.
 
 from __future__ import annotations
 
+import posixpath
+import re
 from collections.abc import Mapping, Sequence
 from string import Template
 
@@ -149,6 +151,26 @@ def default_omp_threads(base: Mapping[str, str], local_world_size: int) -> dict[
 def interpreter(python: str) -> list[str]:
     """How a worker's Python is invoked, before the script: unbuffered, as torchrun does."""
     return [python, "-u"]
+
+
+# what a Python interpreter's file is called: python, python3, python3.11 (a venv's too)
+PYTHON_NAME = re.compile(r"python[0-9.]*")
+
+
+def standby_python(default: str, *, no_python: bool, script: str,
+                   args: Sequence[str]) -> str | None:
+    """The interpreter the fork server and the standbys run for the job's command.
+
+    ``default`` ($PYTHON_EXEC, or the supervisor's own) for a script run with Python; with
+    ``--no-python``, the command itself when it names a Python interpreter run unbuffered
+    (``VENV/bin/python -u SCRIPT``, ``-m MODULE`` or ``-c CODE``: the form of the shipped
+    configs), so a job's own venv gets the same forked starts. None: no standby can run
+    the command as its cold start would (another executable, or another form)."""
+    if not no_python:
+        return default
+    if PYTHON_NAME.fullmatch(posixpath.basename(script)) and list(args[:1]) == ["-u"]:
+        return script
+    return None
 
 
 def worker_argv(

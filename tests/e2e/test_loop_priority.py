@@ -1,6 +1,6 @@
 """The event loop runs ahead of the workers it starts, and the workers do not (issue 29).
 
-As root the daemon's event-loop thread gets ``--loop-nice`` (default -15) and, when it
+As root the daemon's event-loop thread gets ``--loop-nice`` (default 0: nothing) and, when it
 leads its own session, its autogroup too; every other thread of it, every worker (cold,
 from a standby, forked from the fork server) and every worker's autogroup stays at nice
 0, ``SCHED_OTHER``, without ``SCHED_RESET_ON_FORK``. A supervisor started inside someone
@@ -55,12 +55,13 @@ def assert_workers_at_normal_priority(found: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("warm", [[], ["--preload", "json"]], ids=["standby", "forked"])
 async def test_loop_is_raised_and_workers_are_not(tmp_path: Path, warm: list[str]) -> None:
     args = ["--nproc-per-node", "2", "--max-restarts", "1", "--health-port", "0",
-            "--log-dir", str(tmp_path / "logs"), "--log-level", "debug", *warm, PROBE]
+            "--loop-nice", "-15", "--log-dir", str(tmp_path / "logs"), "--log-level",
+            "debug", *warm, PROBE]
     go = tmp_path / "go"
     env = {"PROBE_FAIL_ATTEMPT": "0", "PROBE_DIR": str(tmp_path), "PROBE_GO": str(go)}
     async with supervisor(args, env=env,
                           launcher=own_session()) as sup:
-        found = await records(sup, 2)  # attempt 0, cold
+        found = await records(sup, 2)  # attempt 0 (cold, or forked with --preload)
         if not warm:  # rank 0 fails once both standbys run (they start one after another)
             for _ in range(2):
                 await sup.err.expect(r"standby for local rank \d started as pid \d+")
@@ -77,8 +78,8 @@ async def test_loop_is_raised_and_workers_are_not(tmp_path: Path, warm: list[str
     assert started[1].get("warm") == [0, 1]  # attempt 1 really ran in the standbys
 
 
-async def test_loop_nice_zero_changes_nothing(tmp_path: Path) -> None:
-    args = ["--nproc-per-node", "1", "--loop-nice", "0", "--health-port", "0",
+async def test_the_default_loop_nice_0_changes_nothing(tmp_path: Path) -> None:
+    args = ["--nproc-per-node", "1", "--health-port", "0",
             "--log-dir", str(tmp_path / "logs"), PROBE]
     async with supervisor(args, launcher=own_session()) as sup:
         (found,) = await records(sup, 1)
@@ -91,8 +92,8 @@ async def test_someone_elses_session_keeps_its_autogroup(tmp_path: Path) -> None
     """Started from a shell, the autogroup is the terminal's: not ours to raise."""
     with open("/proc/self/autogroup", encoding="ascii") as f:
         before = f.read()
-    args = ["--nproc-per-node", "1", "--health-port", "0", "--log-dir",
-            str(tmp_path / "logs"), PROBE]
+    args = ["--nproc-per-node", "1", "--health-port", "0", "--loop-nice", "-15",
+            "--log-dir", str(tmp_path / "logs"), PROBE]
     async with supervisor(args) as sup:  # in this test's session
         (found,) = await records(sup, 1)
         assert await sup.wait() == 0

@@ -248,7 +248,8 @@ async def _run_as_nobody(setpriv: str, base: Path) -> None:
                 python, "-m", "supervisor", "run"]
     logs = base / "logs"
     args = ["--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "2",
-            "--log-dir", str(logs), "--log-level", "debug", worker, "--usr1-exit", "3",
+            "--loop-nice", "-15", "--log-dir", str(logs), "--log-level", "debug", worker,
+            "--usr1-exit", "3",
             "--fail-rank", "0", "--fail-attempts", "1", "--trap", "1"]
     async with supervisor(args, env={"PYTHONPATH": env["PYTHONPATH"]}, cwd=base,
                           launcher=launcher) as sup:

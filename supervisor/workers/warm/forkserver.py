@@ -73,8 +73,6 @@ class ForkServerReport(msgspec.Struct, frozen=True):
     tainted: str | None = None  # top-level package that read a watched name
     threaded: str | None = None  # module after whose import a thread was left running
     skipped: list[str] = []
-    huge_mib: int = 0  # its preload's memory now in huge pages (cheaper forks)
-    import_nice_kept: bool = False  # its autogroup stayed at the import's nice 19
 
 
 @dataclass(eq=False)

@@ -11,14 +11,10 @@ Protocol (SOCK_SEQPACKET on fd 0, one marshalled dict per message):
 
 1. The supervisor sends the configuration (``preload``, ``auto``, ``watch``, ``path0``,
    ``owner``). The server puts ``path0`` (the cold command's ``sys.path[0]``) in place,
-   imports in a thread at ``SCHED_IDLE`` (the thread has exited before any fork: a child
-   inherits the forking thread's scheduling class, and the main thread never leaves
-   ``SCHED_OTHER``) while its session's autogroup is at nice 19 (``_set_autogroup_nice``:
-   a thread's class counts only within its autogroup), with every read of a ``watch``
-   name through ``os.environ`` watched,
-   then checks that no thread is left (``/proc/self/task``) and that no device was
-   initialised, collapses a large preload into huge pages (``_collapse``: cheaper forks),
-   and answers with its report.
+   imports at the priority it was started with (a cold worker's: the import is one a
+   worker would do, once per node, and is never starved on a busy node), with every read
+   of a ``watch`` name through ``os.environ`` watched, then checks that no thread is left
+   (``/proc/self/task``) and that no device was initialised, and answers with its report.
 2. A fork request carries each standby's environment and CPUs (``standbys``), with each
    standby's end of its socket pair as ``SCM_RIGHTS``. The server forks only from its main
    thread, only with no other thread, and double-forks: one intermediate child forks every
@@ -49,19 +45,9 @@ if __name__ == "__elastic_forkserver__" and not getattr(sys.flags, "safe_path", 
 TASKS = "/proc/self/task"
 PR_SET_PDEATHSIG = 1
 SIGKILL = 9
-THREAD_WAIT = 2.0  # seconds the import thread may take to be gone from /proc/self/task
+THREAD_WAIT = 2.0  # seconds a thread the preload stopped may take to leave /proc/self/task
 MAX_MESSAGE = 1 << 20
-HUGE_PAGE = 2 << 20
-MADV_COLLAPSE = 25
-MADV_HUGEPAGE = 14
-PROT_READ_WRITE = 3
-MAP_PRIVATE_ANONYMOUS = 0x22
-MAP_FAILED = (1 << 64) - 1  # (void *) -1, as ctypes returns it for a 64-bit pointer
-COLLAPSE_MIN = 64 << 20  # anonymous bytes a preload must have written to be collapsed
 MAX_BATCH = 64  # standbys one request may ask for (descriptors in one message)
-AUTOGROUP = "/proc/self/autogroup"
-IMPORT_NICE = 19  # our autogroup's nice value while the preload imports
-EAGAIN = 11
 
 # The site directories auto's modules must come from (the rule of ``autopreload``).
 SITE_DIRS = ("/site-packages/", "/dist-packages/")
@@ -112,36 +98,14 @@ def _receive(ctl: Any, _socket: Any) -> tuple[bytes, list[int]]:
 
 # ---------------------------------------------------------------------- preload
 def _preload(config: "dict[str, Any]", _thread: "Any") -> "dict[str, Any]":
-    """Import the preload list in a thread at idle priority; the report to send."""
+    """Import the preload list; the report to send."""
     path0 = config.get("path0")
     if path0 is not None and not getattr(sys.flags, "safe_path", False):
         sys.path.insert(0, path0)  # what Python puts first for the cold command
-    result: dict[str, Any] = {"ok": True, "skipped": []}
-    done = _thread.allocate_lock()
-    done.acquire()
-
-    def run() -> None:
-        try:
-            try:  # never compete with the workers: import only when a CPU is idle
-                os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            except (AttributeError, OSError):
-                pass
-            result.update(_import_all(config))
-            if result["ok"]:
-                try:
-                    result["huge_mib"] = _collapse()
-                except Exception:  # only forks' cost: never a reason to refuse the preload
-                    result["huge_mib"] = 0
-        except BaseException as exc:
-            result.update(ok=False, error=f"preloading failed: {type(exc).__name__}: {exc}")
-        finally:
-            done.release()
-
-    lowered = _set_autogroup_nice(IMPORT_NICE, _thread)
-    _thread.start_new_thread(run, ())
-    done.acquire()
-    if lowered and not _set_autogroup_nice(0, _thread):
-        result["import_nice_kept"] = True
+    try:
+        result = _import_all(config)
+    except BaseException as exc:
+        result = {"ok": False, "error": f"preloading failed: {type(exc).__name__}: {exc}"}
     if not _alone(THREAD_WAIT, _thread) and result["ok"]:
         culprit = result.get("threaded") or "the preload"
         result.update(ok=False, threaded=culprit,
@@ -192,7 +156,7 @@ def _checked(name: str, reads: list[str], result: "dict[str, Any]") -> bool:
         result.update(ok=False, tainted=name.partition(".")[0],
                       error=f"{name!r} reads {reads[0]} while it imports")
         return False
-    if "threaded" not in result and _thread_count() > 2:  # ours and the import thread
+    if "threaded" not in result and _thread_count() > 1:
         result["threaded"] = name
     return True
 
@@ -323,45 +287,6 @@ def _watch_environ(watch: frozenset[str], reads: list[str]) -> Any:
     return restore
 
 
-def _set_autogroup_nice(nice: int, _thread: "Any") -> bool:
-    """Set our session's autogroup to ``nice``; whether it is set.
-
-    With the kernel's autogroups (the default of most distributions) each session is a
-    scheduling group of its own, and a thread's ``SCHED_IDLE`` counts only within its
-    group: our session's group competes with the supervisor's and each worker's as one
-    at nice 0. So while the preload imports, our group is at nice 19 (weight 15 against
-    1024), and the import takes what the node leaves idle; measured on a node of one
-    CPU, the import held ``/healthz`` back for the first 450 ms of a 2,000 requests/s
-    load before (p99 4.6 ms), and not after (2.9 ms). Forks run at nice 0 again.
-
-    Only a group we lead (the supervisor starts us in a session of our own) and only
-    from nice 0 to 19 and back: neither needs a privilege. Without ``CAP_SYS_ADMIN``
-    the kernel takes one such write per 100 ms on the whole machine (``EAGAIN``
-    otherwise), so a write is tried for up to 3 s. Nothing happens without
-    autogroups (the file is missing or empty) or in a CPU cgroup of our own (the
-    group's nice value is then not used)."""
-    if os.getsid(0) != os.getpid():
-        return False
-    pause = _thread.allocate_lock()
-    pause.acquire()
-    for _ in range(150):  # 3 s
-        try:
-            with open(AUTOGROUP, encoding="ascii") as f:
-                fields = f.read().split()  # "/autogroup-123 nice 0"
-            if not fields or int(fields[-1]) not in (0, IMPORT_NICE):
-                return False  # none, or a value someone else chose: theirs
-            with open(AUTOGROUP, "w", encoding="ascii") as f:
-                f.write(str(nice))
-            return True
-        except OSError as exc:
-            if exc.errno != EAGAIN:
-                return False
-        except ValueError:  # not a number where the nice value goes
-            return False
-        pause.acquire(timeout=0.02)
-    return False
-
-
 def _thread_count() -> int:
     try:
         return len(os.listdir(TASKS))
@@ -372,8 +297,8 @@ def _thread_count() -> int:
 def _alone(timeout: float, _thread: "Any") -> bool:
     """Whether this process is down to its main thread.
 
-    The import thread may take a moment to leave ``/proc/self/task`` after it released
-    its lock. A thread a library stops by itself at every fork (OpenBLAS's pool, which
+    A thread the preload stopped may take a moment to leave ``/proc/self/task``. A
+    thread a library stops by itself at every fork (OpenBLAS's pool, which
     numpy starts when it loads, and torch imports numpy: its ``pthread_atfork`` handler
     shuts the pool down, and the children start theirs when they need it) is not held
     against the preload: a child that exits at once runs those handlers, then we look
@@ -398,107 +323,6 @@ def _wait_alone(timeout: float, _thread: "Any") -> bool:
         pause.acquire(timeout=0.002)
         waited += 0.002
     return True
-
-
-def _collapse() -> int:
-    """Back the preload's large anonymous regions with huge pages; the MiB collapsed.
-
-    A fork copies one page-table entry for each 4 KiB page the process has written: after
-    ``import torch`` that is ~200 MiB, 14 ms of the server's CPU per fork on a slow 2-core
-    machine. A 2 MiB page is one entry, so a collapsed server forks in a quarter of that.
-    A standby that writes to a shared huge page splits it and copies only the 4 KiB page
-    it wrote (the kernel's copy-on-write of a huge page), so what it shares stays shared.
-    ``MADV_COLLAPSE`` (Linux 6.1) works whatever the system's THP setting; an older
-    kernel refuses it and forks stay as they were. Small preloads are left alone: the
-    collapse fills the holes in a 2 MiB range, and their forks are cheap already."""
-    regions: list[tuple[int, int]] = []
-    total = 0
-    try:
-        with open("/proc/self/smaps", "rb") as f:
-            current: tuple[int, int] | None = None
-            for line in f:
-                fields = line.split()
-                if b"-" in fields[0] and len(fields) >= 5:  # a mapping's first line
-                    low, _, high = fields[0].partition(b"-")
-                    name = fields[5] if len(fields) > 5 else b""
-                    current = ((int(low, 16), int(high, 16))
-                               if fields[1].startswith(b"rw") and fields[1].endswith(b"p")
-                               and name in (b"", b"[heap]") else None)
-                elif fields[0] == b"Anonymous:" and current is not None:
-                    size = current[1] - current[0]
-                    written = int(fields[1]) << 10
-                    if size >= HUGE_PAGE and 2 * written >= size:
-                        regions.append(current)
-                        total += written
-    except (OSError, ValueError, IndexError):
-        return 0
-    if total < COLLAPSE_MIN:
-        return 0
-    madvise, mmap, munmap = _memory_calls()
-    for start, end in regions:
-        first = -(-start // HUGE_PAGE) * HUGE_PAGE
-        last = end // HUGE_PAGE * HUGE_PAGE
-        for page in range(first, last, HUGE_PAGE):
-            # one range per call: a range that fails (EAGAIN: a page briefly pinned or
-            # not yet on an LRU list) is left out alone, and each call gets its own
-            # warmed page (``_warm_huge_page``)
-            _warm_huge_page(mmap, munmap, madvise)
-            madvise(page, HUGE_PAGE, MADV_COLLAPSE)
-    return _anon_huge_mib()
-
-
-def _memory_calls() -> tuple[Any, Any, Any]:
-    """The C library's ``madvise``, ``mmap`` and ``munmap``, typed for addresses (only for
-    a preload as large as a collapse needs: torch has imported ``ctypes`` already)."""
-    import ctypes
-
-    libc = _libc()
-    madvise, mmap, munmap = libc.madvise, libc.mmap, libc.munmap
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    mmap.restype = ctypes.c_void_p
-    mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                     ctypes.c_int, ctypes.c_long]
-    munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    return madvise, mmap, munmap
-
-
-def _warm_huge_page(mmap: Any, munmap: Any, madvise: Any) -> None:
-    """Have the kernel clear a huge page for us and free it, for the next collapse to take.
-
-    On a virtual machine whose host backs a page only when the guest first writes to it,
-    and takes back what the guest reports free (virtio-balloon free page reporting, on
-    the slow test machine: a free 2 MiB block is fresh again within a minute),
-    ``MADV_COLLAPSE`` pays that first write inside its copy: 6.6-7.2 ms per 2 MiB there,
-    during which the kernel runs nothing else on that CPU (a ``PREEMPT_NONE`` kernel),
-    the supervisor's loop included. A huge-page fault pays it
-    while clearing the page, where the kernel yields between its 4 KiB parts; the page
-    freed then goes to this CPU's free list, where the next huge page comes from. Measured
-    there: the collapse's calls 6.8 -> 0.55 ms each, and a nice -10 thread sleeping
-    0.5 ms at a time on the same CPU woke at most 0.8 ms late during the collapse
-    (12.7 ms without). Where memory is backed already, it costs one more 2 MiB clear."""
-    import ctypes
-
-    addr = mmap(None, 2 * HUGE_PAGE, PROT_READ_WRITE, MAP_PRIVATE_ANONYMOUS, -1, 0)
-    if addr is None or addr == MAP_FAILED:
-        return
-    try:
-        page = -(-addr // HUGE_PAGE) * HUGE_PAGE
-        if madvise(page, HUGE_PAGE, MADV_HUGEPAGE) == 0:
-            ctypes.memset(page, 0, 1)  # a write: a read would map the shared zero page
-    finally:
-        munmap(addr, 2 * HUGE_PAGE)
-
-
-def _anon_huge_mib() -> int:
-    """This process's anonymous memory in huge pages now, in MiB (what the collapse did)."""
-    try:
-        with open("/proc/self/smaps_rollup", "rb") as f:
-            for line in f:
-                if line.startswith(b"AnonHugePages:"):
-                    return int(line.split()[1]) >> 10
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
 
 
 def _prctl() -> Any:

@@ -69,6 +69,7 @@ class ForkSlot:
         self.preload_failing = False
         self._warned = False
         self.ready_at: float | None = None  # monotonic time the current server got ready
+        self.import_seconds: float | None = None  # what the last ready server's import took
 
     @property
     def given_up(self) -> bool:
@@ -183,15 +184,10 @@ class ForkSlot:
         old, self.server = self.server, pending
         self._failed_for, self.preload_failing = None, False
         self.ready_at = time.monotonic()
-        logger.info("fork server (pid %d) ready: preloaded %s in %.2f s%s", pending.pid,
+        self.import_seconds = self.ready_at - pending.started_at
+        logger.info("fork server (pid %d) ready: preloaded %s in %.2f s", pending.pid,
                     ",".join([*config.preload, *(["auto"] if config.auto_names else [])])
-                    or "nothing",
-                    self.ready_at - pending.started_at,
-                    f" ({report.huge_mib} MiB in huge pages)" if report.huge_mib else "")
-        if report.import_nice_kept:
-            logger.warning("fork server (pid %d): its autogroup stays at nice 19 after the "
-                           "preload (the kernel refused to set it back): its forks wait for "
-                           "idle CPU on a busy node", pending.pid)
+                    or "nothing", self.import_seconds)
         if old is not None:
             self._discard(old)  # the standbys it forked are ours and stay
 

@@ -1,8 +1,9 @@
 """The warm pool: which local ranks get a standby for the next attempt, and when.
 
 ``WarmPool`` decides and does everything about standbys: whether another attempt may
-follow (so standbys are worth their memory), when to start them (at once, or with
-``--preload`` once the ranks resumed or ``--preload-after`` passed, plus the ``auto``
+follow (so standbys are worth their memory), when to start them (right after a launch;
+with ``--preload`` forked from the node's fork server, the first attempt's before its
+launch; standbys that import for themselves once the ranks resumed; the ``auto``
 settle), one at a time, hearing each one's report, replacing one an ``auto`` preload
 tainted, and learning whether rank 0 hosts a store the warm ranks should wait for. The
 worker group asks it for a rank's worker (``take``) and tells it when an attempt begins,
@@ -59,6 +60,10 @@ AUTO_SETTLE = 5.5  # s after a launch: a warm worker has recorded its imports at
 # s a restart waits for a fork server still importing when this node has not yet seen what
 # a cold start costs (no progress shown): a preload that hangs delays one restart by this
 UNKNOWN_COLD_WAIT = 60.0
+# s after a launch at the latest that standbys importing for themselves (no fork server:
+# the embedded API, a rank whose environment differs) start, for a job that shows no
+# progress (they start once every rank has shown some)
+PRELOAD_AFTER = 5.0
 
 
 @dataclass
@@ -154,7 +159,6 @@ class WarmPool:
         self._plans: list[StandbyPlan] = []
         # whether rank 0's store listened on MASTER_PORT in an earlier attempt (learned)
         self.store_seen = False
-        self._launches = 0  # attempts launched in this run
         self._launched_at = 0.0  # monotonic time of the last launch
         # launch -> every rank's first progress of this node's last cold attempt
         self.cold_startup: float | None = None
@@ -162,6 +166,7 @@ class WarmPool:
         progress.listeners.append(self._on_progress)
         self._preview: Preview | None = None  # the first attempt's ranks (``warm_up``)
         self._previewed = anyio.Event()
+        self._first_forked = anyio.Event()  # ``_stand_by_first`` forked or gave up
 
     @property
     def preloading(self) -> bool:
@@ -194,7 +199,6 @@ class WarmPool:
     def launched(self, attempt: Attempt) -> None:
         """Without preloading, plan the standbys now, before any event of this attempt is
         handled: a stop that begins before they are started waits for the spawn."""
-        self._launches += 1
         self._launched_at = time.monotonic()
         self._due = None
         if self.restart_possible(attempt.layout.restart_count) and (
@@ -329,15 +333,12 @@ class WarmPool:
     def warm_up(self, preview: Preview | None) -> None:
         """At the supervisor's start (while the rendezvous forms): have the fork server
         import the explicit ``--preload`` list (and the ``auto`` list an earlier run kept)
-        for the command the first attempt will run, so that an early crash finds it ready.
-        With ``auto``, nothing kept and ``--fork-first-attempt``, a server with nothing
-        preloaded: the first attempt's forked workers then record every module they import
-        (a cold one shows only its shared libraries), so the first restart gets them all."""
-        first_forked = self.settings.fork_first_attempt
-        has_list = bool(self.options.preload or self._node_auto)
-        worth_it = has_list or (self.options.auto and first_forked)
-        needed = self.restart_possible(0) or first_forked
-        if preview is None or not self.forking or not worth_it or not needed:
+        for the command the first attempt will run; the first attempt starts in
+        interpreters forked from it (``settle``). With ``auto`` and nothing kept, a server
+        with nothing preloaded: the first attempt's forked workers then record every
+        module they import (a cold one shows only its shared libraries), so the first
+        restart gets them all."""
+        if preview is None or not self.forking:
             return
         config = self._config_for(preview.argv, None, preview.envs)
         if config is not None and self.forks is not None:
@@ -364,9 +365,13 @@ class WarmPool:
         waited for at most as long as this node's last cold start took from launch to
         every rank's first progress (not seen yet: ``UNKNOWN_COLD_WAIT``), and then the
         ranks start cold, the import going on for the next restart. One server is waited
-        for once: a preload that hangs delays one restart, not every one."""
+        for once: a preload that hangs delays one restart, not every one. Before the first
+        launch: ``_settle_first``."""
         attempt = self._attempt
-        if attempt is None or self.forks is None or not self.forking or not attempt.workers \
+        if attempt is None:
+            await self._settle_first()
+            return
+        if self.forks is None or not self.forking or not attempt.workers \
                 or all(w.local_rank in self.standbys for w in attempt.workers):
             return
         config = self._fork_config(attempt)
@@ -378,7 +383,8 @@ class WarmPool:
             if importing is None or pending == self._waited_for:
                 return  # no server on its way (or it already kept a restart waiting)
             self._waited_for = pending
-            limit = self.cold_startup
+            # a cold start's cost here: seen, else what the last server's import took
+            limit = self.cold_startup or self.forks.import_seconds
             logger.info("waiting for the fork server (importing for %.1f s) rather than "
                         "starting cold%s", importing,
                         "" if limit is None else f" (at most {limit:.1f} s, a cold start)")
@@ -390,16 +396,41 @@ class WarmPool:
                 return
         await self._start(self._plan(attempt))
 
+    async def _settle_first(self) -> None:
+        """Before the first launch, with ``--preload`` under the daemon: wait for the fork
+        server ``warm_up`` started (its import: one per node instead of one per rank)
+        and for the standbys ``_stand_by_first`` forks from it, in which the first
+        attempt's ranks start. A preload that fails means cold starts (the slot warned
+        and counted it); a rank whose environment is not the node's starts cold."""
+        if not self._previewed.is_set() or self._first_forked.is_set():
+            return
+        assert self.forks is not None
+        config = self._first_config()
+        importing = None if config is None else self.forks.importing_for(config)
+        if importing is not None:
+            logger.info("the first attempt waits for the fork server's import "
+                        "(importing for %.1f s)", importing)
+        await self._first_forked.wait()
+
     async def _stand_by_first(self) -> None:
         """Fork a standby per rank as soon as the fork server that ``warm_up`` asked for is
-        ready, if no attempt has begun yet: a spare waiting for a place (and, with
-        ``--fork-first-attempt``, any node whose rendezvous is still forming) starts its
-        first attempt in them; otherwise they serve the first restart, as the standbys
-        forked after a launch would (``take``)."""
-        await self._previewed.wait()
+        ready, if no attempt has begun yet: the first attempt (a spare's, when it is
+        admitted) starts in them (``_settle_first``)."""
+        try:
+            await self._previewed.wait()
+            await self._fork_first()
+        finally:
+            self._first_forked.set()
+
+    def _first_config(self) -> ForkServerConfig | None:
+        """The fork server for the first attempt's command (``warm_up``'s preview)."""
         preview = self._preview
-        config = None if preview is None else self._config_for(preview.argv, None,
-                                                               preview.envs)
+        return None if preview is None else self._config_for(preview.argv, None,
+                                                             preview.envs)
+
+    async def _fork_first(self) -> None:
+        preview = self._preview
+        config = self._first_config()
         if preview is None or config is None or self.forks is None \
                 or not await self.forks.prepare(config) or self._attempt is not None:
             return
@@ -506,10 +537,10 @@ class WarmPool:
 
         A standby that imports a framework costs seconds of CPU: started at once, it would
         compete with the very ranks that are resuming. So they start when every rank has
-        shown progress in this attempt, or ``preload_after`` seconds after the launch for
-        a job that shows none (their imports run at idle CPU priority in any case)."""
+        shown progress in this attempt, or ``PRELOAD_AFTER`` seconds after the launch for
+        a job that shows none."""
         launched = time.monotonic()
-        with anyio.move_on_after(self.settings.preload_after):
+        with anyio.move_on_after(PRELOAD_AFTER):
             await self._all_progressed(attempt)
         if self.options.auto:  # the workers' second record of their imports
             await anyio.sleep(max(0.0, launched + AUTO_SETTLE - time.monotonic()))
@@ -702,30 +733,19 @@ class WarmPool:
             self._learn_store(attempt)
 
     # ------------------------------------------------------------------ the hand-off
-    def _serves(self) -> bool:
-        """Whether this launch's ranks start in standbys: the first attempt starts cold
-        unless this node waited as a spare or ``--fork-first-attempt`` is given (its
-        standbys then serve the first restart)."""
-        attempt = self._attempt
-        return self._launches > 0 or self.settings.fork_first_attempt \
-            or (attempt is not None and attempt.round.spare)
-
     async def ready(self, local_rank: int) -> None:
         """Before ``take``: give the rank's forked standby, if it is still setting itself
         up (milliseconds, one after another in its batch), at most ``SETUP_WAIT`` s to
         report; the loop runs meanwhile."""
         standby = self.standbys.get(local_rank)
         reported = self._reported.get(local_rank)
-        if not self._serves() or standby is None or not standby.forked or reported is None:
+        if standby is None or not standby.forked or reported is None:
             return
         with anyio.move_on_after(SETUP_WAIT):
             await reported.wait()
 
     def take(self, spec: WorkerSpec) -> Worker | None:
-        """Start the worker in its rank's standby; None if there is none or it cannot
-        (``_serves``)."""
-        if not self._serves():
-            return None
+        """Start the worker in its rank's standby; None if there is none or it cannot."""
         self._reported.pop(spec.local_rank, None)
         standby = self.standbys.pop(spec.local_rank, None)
         if standby is None:
@@ -750,7 +770,7 @@ class WarmPool:
 
     def cold_start(self, local_rank: int) -> Start:
         reason = self._cold.get(local_rank)
-        if reason is None and self._launches > 0 and self.forks is not None \
+        if reason is None and self.forks is not None \
                 and self.preloading and self.forks.preload_failing:
             # no standby because the node's fork server's last preload failed (however the
             # restart and the server's retry raced): that is why this rank starts cold
