@@ -110,8 +110,8 @@ async def test_a_nice_value_given_at_start_is_kept(tmp_path: Path) -> None:
     nice = shutil.which("nice")
     if nice is None:
         pytest.skip("needs coreutils nice (apt-get install coreutils)")
-    args = ["--nproc-per-node", "1", "--health-port", "0", "--log-dir",
-            str(tmp_path / "logs"), PROBE]
+    args = ["--nproc-per-node", "1", "--health-port", "0", "--loop-nice", "-15",
+            "--log-dir", str(tmp_path / "logs"), PROBE]
     async with supervisor(args, launcher=[nice, "-n", "3", *SUPERVISOR]) as sup:
         (found,) = await records(sup, 1)
         assert await sup.wait() == 0

@@ -146,10 +146,21 @@ async def test_no_warm_restart_starts_every_attempt_cold(tmp_path: Path) -> None
 # The supervisor with the pause between two standbys' starts raised far beyond any test's
 # run time: a standby then starts only once the one before it has reported (or the plan
 # is halted), whatever the machine's load, so the order below is the mechanism's own.
-PATIENT = [sys.executable, "-c",
-           "import runpy, sys, supervisor.workers.warm.pool as g; g.STAGGER = 600.0; "
-           "sys.argv[0] = 'supervisor'; runpy.run_module('supervisor', run_name='__main__')",
-           "run"]
+
+
+def embedded(patch: str) -> list[str]:
+    """The embedded API's run (``tests/workers/embedded_run.py``: standbys that import for
+    themselves, the rule where no fork server can serve) with ``patch`` applied to the
+    pool's constants: ``PRELOAD_AFTER = 0`` has them start at once after a launch."""
+    return [sys.executable, "-c",
+            f"import runpy, sys, supervisor.workers.warm.pool as g; {patch}; "
+            f"sys.argv[0] = {EMBEDDED_RUN!r}; runpy.run_path({EMBEDDED_RUN!r}, "
+            "run_name='__main__')"]
+
+
+EMBEDDED_RUN = str(WORKERS / "embedded_run.py")
+EMBEDDED = embedded("g.PRELOAD_AFTER = 0.0")
+PATIENT = embedded("g.PRELOAD_AFTER = 0.0; g.STAGGER = 600.0")
 # A preload that takes as long as the test wants. PRELOAD_GATE is a FIFO: opening it to
 # read returns once the test opens it to write. With PRELOAD_STARTED (a FIFO too) it first
 # tells the test that it is importing.
@@ -169,8 +180,7 @@ async def test_standbys_start_one_at_a_time(tmp_path: Path) -> None:
     out.mkdir()
     gate = tmp_path / "gate"
     args = [*BASE, "--nproc-per-node", "3", "--max-restarts", "1", "--log-dir",
-            str(tmp_path / "logs"), "--preload", "colorsys", "--preload-after", "0",
-            "--no-fork-server", PROBE, str(out)]
+            str(tmp_path / "logs"), "--preload", "colorsys", PROBE, str(out)]
     async with supervisor(args, env={"PROBE_GATE": str(gate)}, launcher=PATIENT) as sup:
         for _ in range(3):
             await sup.err.expect(r"standby for local rank \d preloaded colorsys")
@@ -191,8 +201,7 @@ async def test_a_stop_does_not_wait_for_the_standbys_yet_to_start(tmp_path: Path
     env = {"PROBE_GATE": str(tmp_path / "never"), "PRELOAD_GATE": str(tmp_path / "gate"),
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir",
-            str(tmp_path / "logs"), "--preload", "gated_preload", "--preload-after", "0",
-            "--no-fork-server", PROBE, str(out)]
+            str(tmp_path / "logs"), "--preload", "gated_preload", PROBE, str(out)]
     async with supervisor(args, env=env, cwd=tmp_path, launcher=PATIENT) as sup:
         first = int((await sup.err.expect(STANDBY_LINE)).group(2))  # importing, forever
         sup.signal(signal.SIGTERM)
@@ -229,8 +238,8 @@ async def test_a_worker_handed_over_mid_import_finishes_it_at_normal_priority(
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     logs = tmp_path / "logs"
     args = [*BASE, "--max-restarts", "1", "--log-dir", str(logs), "--preload",
-            "gated_preload", "--preload-after", "0", "--no-fork-server", PROBE, str(out)]
-    async with supervisor(args, env=env, cwd=tmp_path) as sup:
+            "gated_preload", PROBE, str(out)]
+    async with supervisor(args, env=env, cwd=tmp_path, launcher=EMBEDDED) as sup:
         standby = int((await sup.err.expect(STANDBY_LINE)).group(2))
         with anyio.fail_after(30):  # until its import thread is in the preload
             await anyio.to_thread.run_sync(lambda: open(importing).close(),

@@ -63,8 +63,7 @@ def main() -> int:
     say(driver=os.getpid(), server=server.pid)
     report = server.wait_ready(120)
     say(ready={"ok": report.ok, "error": report.error, "tainted": report.tainted,
-               "threaded": report.threaded, "skipped": report.skipped,
-               "huge_mib": report.huge_mib})
+               "threaded": report.threaded, "skipped": report.skipped})
     if not report.ok:
         server.stop()
         return 0
