@@ -34,7 +34,7 @@ def pool_for(tmp_path: Path, **settings: Any) -> object:
 @pytest.mark.parametrize(("settings", "warm"), [
     ({}, False),  # static, --max-restarts 0: the first attempt is the only one
     ({"max_restarts": 1}, True),
-    ({"preload": ("json",)}, True),  # --fork-first-attempt, a spare's first attempt
+    ({"preload": ("json",)}, True),  # the first attempt starts in forked interpreters
     ({"rdzv_backend": "etcd", "nnodes": "1:2", "rdzv_endpoint": "127.0.0.1:2379"}, True),
     ({"max_restarts": 1, "no_warm_restart": True}, False),
 ])

@@ -1,6 +1,5 @@
-"""A first attempt that starts in standbys forked while the rendezvous formed: a spare's
-(when it is admitted), and any node's with ``--fork-first-attempt``; without either the
-first attempt starts cold and those standbys serve the first restart.
+"""With ``--preload`` the first attempt starts in standbys forked while the rendezvous
+formed: a spare's (when it is admitted) and any node's, as a cold start would see it.
 
 Real daemons on a real etcd; the preload is two small standard-library modules (torch's
 figures are in docs/benchmarks.md)."""
@@ -63,30 +62,27 @@ async def test_a_spare_admitted_after_a_quarantine_starts_its_first_attempt_warm
     assert "starts cold" not in spare.sup.err.text()
 
 
-@pytest.mark.parametrize("flag", [True, False], ids=["fork-first-attempt", "default"])
-async def test_the_first_attempt_starts_forked_only_when_asked(
-    tmp_path: Path, server: EtcdMember, flag: bool
+async def test_the_first_attempt_starts_in_a_standby_forked_while_the_round_forms(
+    tmp_path: Path, server: EtcdMember
 ) -> None:
     """n0 waits for n1 (MIN = 2): its fork server gets ready and forks a standby while the
-    rendezvous forms. With the flag its first attempt runs in that standby, agreeing with
-    n1's cold start in everything the warm-start tests compare; without it the standby is
-    kept and serves the restart."""
+    rendezvous forms, and its first attempt runs in it, agreeing with n1's cold start (no
+    ``--preload``) in everything the warm-start tests compare."""
     out = tmp_path / "out"
     out.mkdir()
-    early = [*PRELOAD, *(["--fork-first-attempt"] if flag else [])]
     async with healing_job(tmp_path, server.endpoint, nnodes="2:2",
                            flags=["--max-restarts", "1"],
                            worker=[PROBE, str(out)]) as job:
-        first = await job.start("n0", flags=early)
+        first = await job.start("n0", flags=PRELOAD)
         await first.sup.err.expect(FORKED, timeout=60)
         second = await job.start("n1")
         assert await exit_code(first, timeout=60) == 0, first.sup.err.text()
         assert await exit_code(second, timeout=60) == 0, second.sup.err.text()
-    # one standby, forked before the first launch, served attempt 0 (flag) or attempt 1
+    # one standby, forked before the first launch, served attempt 0
     assert first.sup.err.text().count("for the first attempt while the rendezvous") == 1
-    assert warm_ranks(first) == ([[0], [0]] if flag else [None, [0]])
+    assert warm_ranks(first) == [[0], [0]]
     assert warm_ranks(second)[0] is None  # no --preload: a plain standby for the restart
-    warm = probe(out, 0 if flag else 1, "n0")
+    warm = probe(out, 0, "n0")
     assert "xml.dom.minidom" in warm["modules"]
     cold = probe(out, 0, "n1")
     assert "xml.dom.minidom" not in cold["modules"]

@@ -1,5 +1,5 @@
-"""Restarts under ``--preload`` run in standbys forked from the node's fork server, and a
-fork server that dies means cold starts and a new server, never a failed job."""
+"""Every attempt under ``--preload`` runs in standbys forked from the node's fork server,
+and a fork server that dies means cold starts and a new server, never a failed job."""
 
 from __future__ import annotations
 
@@ -12,10 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import pytest
 
 from tests.support.daemon import supervisor
-from tests.support.etcd import EtcdMember
 from tests.support.eventlog import read_events, warm_ranks
 from tests.support.paths import FAKE_WORKER, WORKERS
 from tests.support.processes import pid_alive
@@ -35,31 +33,43 @@ async def metrics_of(text: str) -> str:
     return await anyio.to_thread.run_sync(get, f"http://127.0.0.1:{found.group(1)}/metrics")
 
 
-async def test_a_restart_runs_in_a_standby_forked_from_the_fork_server(tmp_path: Path) -> None:
+async def test_every_attempt_runs_in_a_standby_forked_from_the_fork_server(
+        tmp_path: Path) -> None:
+    """Compared with a cold run of the same job (same output directory) without
+    ``--preload``."""
     out = tmp_path / "out"
     out.mkdir()
     logs = tmp_path / "logs"
     gate = tmp_path / "gate"
-    args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(logs),
-            "--preload", "colorsys,xml.dom.minidom", PROBE, str(out)]
+    job = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1"]
+    gate.touch()
+    async with supervisor([*job, "--log-dir", str(tmp_path / "cold_logs"), PROBE,
+                           str(out)], env={"PROBE_GATE": str(gate)}) as sup:
+        assert await sup.wait() == 0
+    colds = [json.loads((out / f"0_{rank}.json").read_text()) for rank in range(2)]
+    for record in out.iterdir():
+        record.unlink()
+    gate.unlink()
+    args = [*job, "--log-dir", str(logs), "--preload", "colorsys,xml.dom.minidom", PROBE,
+            str(out)]
     async with supervisor(args, env={"PROBE_GATE": str(gate)}) as sup:
         server = int((await sup.err.expect(r"fork server \(pid (\d+)\) ready")).group(1))
-        for _ in range(2):
+        for _ in range(4):  # the first attempt's standbys, then the restart's
             await sup.err.expect(rf"standby for local rank \d forked as pid \d+ by the fork "
                                  rf"server \(pid {server}\)")
         gate.touch()  # now restart 0 may fail
         assert await sup.wait() == 0
     # started while the rendezvous formed, for the command the launch then ran: one server
     assert sup.err.text().count("ready: preloaded") == 1
-    assert warm_ranks(logs) == [None, [0, 1]]
-    for rank in range(2):
-        cold = json.loads((out / f"0_{rank}.json").read_text())
-        warm = json.loads((out / f"1_{rank}.json").read_text())
+    assert warm_ranks(logs) == [[0, 1], [0, 1]]
+    for rank, cold in enumerate(colds):
         assert "xml.dom.minidom" not in cold["modules"]
-        assert "xml.dom.minidom" in warm["modules"]
-        for key in ("argv", "path0", "path", "main_keys", "stdin", "stdout", "stderr",
-                    "own_group", "signals", "spawned_child"):
-            assert warm[key] == cold[key], key
+        for restart in range(2):
+            warm = json.loads((out / f"{restart}_{rank}.json").read_text())
+            assert "xml.dom.minidom" in warm["modules"]
+            for key in ("argv", "path0", "path", "main_keys", "stdin", "stdout", "stderr",
+                        "own_group", "signals", "spawned_child"):
+                assert warm[key] == cold[key], key
 
 
 def one_standby_job(logs: Path) -> list[str]:
@@ -72,7 +82,8 @@ async def standby_forked(sup: Any) -> tuple[int, int]:
     """(rank 0's pid, the fork server's pid) once the next attempt's standby is forked."""
     pid = int((await sup.out.expect(r"^ready 0 (\d+) 0$")).group(1))
     server = int((await sup.err.expect(r"fork server \(pid (\d+)\) ready")).group(1))
-    await sup.err.expect(r"standby for local rank 0 forked as pid \d+")
+    for _ in range(2):  # the first attempt's, then the next one's
+        await sup.err.expect(r"standby for local rank 0 forked as pid \d+")
     return pid, server
 
 
@@ -90,7 +101,7 @@ async def test_a_dead_fork_server_means_cold_starts_and_a_new_server(tmp_path: P
         assert re.search(r'fork_server_failures_total\{reason="died"\} 1\.0', text), text
         sup.signal(signal.SIGTERM)
         assert await sup.wait() == 128 + signal.SIGTERM  # not a job failure
-    assert warm_ranks(logs) == [None, [0]]
+    assert warm_ranks(logs) == [[0], [0]]
     restarts = read_events(logs / "none" / "events.jsonl", "group_started")
     assert len(restarts) == 2  # the server's death used none of the restart budget
 
@@ -121,37 +132,10 @@ async def test_a_server_found_unusable_at_a_fork_is_replaced_at_once(tmp_path: P
     assert len(restarts) == 2  # the server's failure used none of the restart budget
 
 
-async def test_auto_learns_again_from_the_first_warm_attempt(tmp_path: Path) -> None:
-    """A cold worker's list comes from its shared libraries (psutil); the first attempt
-    that runs warm records what it imported, pure-Python modules too (iniconfig here,
-    DDP's torch._dynamo in a torch job): a third server preloads both."""
-    out = tmp_path / "out"
-    out.mkdir()
-    logs = tmp_path / "logs"
-    args = [*BASE, "--max-restarts", "2", "--log-dir", str(logs), "--preload", "auto",
-            str(WORKERS / "auto_refine_job.py"), str(out)]
-    async with supervisor(args) as sup:
-        for attempt in range(2):
-            server = int((await sup.err.expect(
-                r"fork server \(pid (\d+)\) ready: preloaded auto", timeout=60)).group(1))
-            await sup.err.expect(rf"standby for local rank 0 forked as pid \d+ by the fork "
-                                 rf"server \(pid {server}\)", timeout=30)
-            (out / f"go{attempt}").touch()
-        assert await sup.wait() == 0
-    assert warm_ranks(logs) == [None, [0], [0]]
-    first, second = (json.loads((out / f"r{n}_0.json").read_text())["modules_at_start"]
-                     for n in (1, 2))
-    assert "psutil" in first and "iniconfig" not in first
-    assert "psutil" in second and "iniconfig" in second
-    kept = json.loads((logs / "none" / "preload-auto.json").read_text())
-    assert {"psutil", "iniconfig"} <= set(kept["names"])  # for the next run
-
-
 async def test_auto_starts_with_what_an_earlier_run_kept(tmp_path: Path) -> None:
     """The list an earlier run with this log directory and run id kept (here written as
     that run would have left it) is imported while the rendezvous forms: the first
-    restart is warm with the pure-Python module too, which a cold first attempt's shared
-    libraries cannot show."""
+    attempt already starts with it."""
     out = tmp_path / "out"
     out.mkdir()
     logs = tmp_path / "logs"
@@ -166,25 +150,21 @@ async def test_auto_starts_with_what_an_earlier_run_kept(tmp_path: Path) -> None
         (out / "go1").touch()
         (out / "go0").touch()
         assert await sup.wait() == 0
-    assert warm_ranks(logs)[:2] == [None, [0]]
-    first = json.loads((out / "r1_0.json").read_text())["modules_at_start"]
+    assert warm_ranks(logs)[:2] == [[0], [0]]
+    first = json.loads((out / "r0_0.json").read_text())["modules_at_start"]
     assert "psutil" in first and "iniconfig" in first
 
 
-@pytest.mark.etcd
-async def test_auto_with_a_forked_first_attempt_learns_everything_for_the_first_restart(
-        tmp_path: Path, server: EtcdMember) -> None:
-    """``--preload auto --fork-first-attempt`` on a node that learned nothing yet, its round
-    waiting a last call for more nodes: the first attempt runs in interpreters forked from
-    a server with nothing preloaded, so its workers record what they import, and the first
-    restart already has the pure-Python module a cold first attempt cannot show."""
+async def test_auto_forks_the_first_attempt_and_learns_everything_for_the_first_restart(
+        tmp_path: Path) -> None:
+    """``--preload auto`` on a node that learned nothing yet: the first attempt runs in
+    interpreters forked from a server with nothing preloaded, so its workers record what
+    they import, and the first restart already has the pure-Python module (iniconfig; DDP's
+    ``torch._dynamo`` in a torch job) that a cold worker's mapped libraries cannot show."""
     out = tmp_path / "out"
     out.mkdir()
     logs = tmp_path / "logs"
     args = [*BASE, "--max-restarts", "2", "--log-dir", str(logs), "--preload", "auto",
-            "--fork-first-attempt", "--nnodes", "1:2", "--rdzv-backend", "etcd",
-            "--rdzv-endpoint", server.endpoint, "--rdzv-id", "auto-first",
-            "--rdzv-conf", "last_call_timeout=1",
             str(WORKERS / "auto_refine_job.py"), str(out)]
     async with supervisor(args) as sup:
         await sup.err.expect(r"fork server \(pid \d+\) ready: preloaded nothing", timeout=60)
@@ -193,9 +173,11 @@ async def test_auto_with_a_forked_first_attempt_learns_everything_for_the_first_
             await sup.err.expect(r"standby for local rank 0 forked as pid", timeout=30)
             (out / f"go{attempt}").touch()
         assert await sup.wait() == 0
-    assert warm_ranks(logs, "auto-first") == [[0], [0], [0]]
+    assert warm_ranks(logs) == [[0], [0], [0]]
     first = json.loads((out / "r1_0.json").read_text())["modules_at_start"]
     assert "psutil" in first and "iniconfig" in first
+    kept = json.loads((logs / "none" / "preload-auto.json").read_text())
+    assert {"psutil", "iniconfig"} <= set(kept["names"])  # for the next run
 
 
 async def test_auto_learns_once_per_node_and_a_second_server_preloads_it(
@@ -207,7 +189,7 @@ async def test_auto_learns_once_per_node_and_a_second_server_preloads_it(
     probe = str(WORKERS / "fork_probe.py")
     args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(logs),
             "--preload", "auto", probe, str(out)]
-    # the cold workers import psutil (an extension module: read from their maps)
+    # the first attempt's workers (forked from a server with nothing) import psutil
     env = {"SHADOW": "psutil", "PROBE_GATE": str(gate)}
     async with supervisor(args, env=env) as sup:
         await sup.err.expect(r"fork server \(pid \d+\) ready: preloaded auto", timeout=60)
@@ -216,9 +198,9 @@ async def test_auto_learns_once_per_node_and_a_second_server_preloads_it(
         gate.touch()
         assert await sup.wait() == 0
     assert sup.err.text().count("ready: preloaded auto") == 1  # learned once, one server
-    assert warm_ranks(logs) == [None, [0, 1]]
+    assert warm_ranks(logs) == [[0, 1], [0, 1]]
     for rank in range(2):
-        cold = json.loads((out / f"r0_{rank}.json").read_text())
-        warm = json.loads((out / f"r1_{rank}.json").read_text())
-        assert "psutil" not in cold["modules_at_start"]
-        assert "psutil" in warm["modules_at_start"]
+        first = json.loads((out / f"r0_{rank}.json").read_text())
+        second = json.loads((out / f"r1_{rank}.json").read_text())
+        assert "psutil" not in first["modules_at_start"]
+        assert "psutil" in second["modules_at_start"]

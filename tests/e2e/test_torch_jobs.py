@@ -125,25 +125,26 @@ async def test_two_nodes_over_etcd_train_like_one_group(tmp_path: Path, server: 
 
 async def test_preloaded_restart_resumes_to_torchruns_loss(tmp_path: Path,
                                                         torchrun_loss: str) -> None:
-    """Rank 1 hangs at step 30 of the first attempt; once both standbys are preloaded it is
-    SIGKILLed; the restart runs in the preloaded standbys, resumes from the step-20
-    checkpoint and ends with the loss of an unbroken torchrun run, as a cold restart does
+    """Rank 1 hangs at step 30 of the first attempt (forked, as every attempt is); once the
+    restart's standbys are forked it is SIGKILLed; the restart runs in them, resumes from
+    the step-20 checkpoint and ends with the loss of an unbroken torchrun run, as a cold restart does
     (the tests above)."""
     logs = tmp_path / "logs"
     args = [*TEE, "--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
             "--log-dir", str(logs), "--log-level", "info",
-            "--preload", "torch,torch._dynamo", "--preload-after", "0", TRAIN, *STEPS,
+            "--preload", "torch,torch._dynamo", TRAIN, *STEPS,
             "--checkpoint-dir", str(tmp_path / "ck"), "--hang-at", "30",
             "--step-timeout", "600"]
     async with supervisor(args) as sup:
         pid = int((await sup.out.expect(r"rank 1/2 pid (\d+) starting at step 0",
                                         timeout=120)).group(1))
         await sup.out.expect(r"rank 1 hanging at step 30", timeout=120)
-        for _ in range(2):
-            await sup.err.expect(r"preloaded torch,torch._dynamo in", timeout=120)
+        for _ in range(4):  # the first attempt's standbys, then the restart's
+            await sup.err.expect(r"standby for local rank \d preloaded torch,torch._dynamo in",
+                                 timeout=120)
         os.kill(pid, signal.SIGKILL)
         await sup.out.expect(r"starting at step 20 \(restart 1\)", timeout=120)
         loss = (await sup.out.expect(FINAL, timeout=240)).group(1)
         assert await sup.wait() == 0
-    assert warm_ranks(logs) == [None, [0, 1]]  # the restart ran in the preloaded standbys
+    assert warm_ranks(logs) == [[0, 1], [0, 1]]  # every attempt in the forked standbys
     assert loss == torchrun_loss

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import urllib.request
 from pathlib import Path
 
@@ -30,6 +31,12 @@ from tests.support.paths import FAKE_WORKER, TESTS, WORKERS
 
 PROBE = str(TESTS / "workers" / "probe_main.py")
 BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--log-level", "debug"]
+EMBEDDED_RUN = str(WORKERS / "embedded_run.py")
+# the embedded API's run: standbys that import for themselves, at once after a launch
+EMBEDDED = [sys.executable, "-c",
+            "import runpy, sys, supervisor.workers.warm.pool as g; g.PRELOAD_AFTER = 0.0; "
+            f"sys.argv[0] = {EMBEDDED_RUN!r}; runpy.run_path({EMBEDDED_RUN!r}, "
+            "run_name='__main__')"]
 
 SITECUSTOMIZE = (WORKERS / "warm_sitecustomize.py").read_text()
 PTH = 'import os; os.environ.setdefault("PTH_SEEN", os.environ.get("LOCAL_RANK", "none"))\n'
@@ -115,44 +122,44 @@ async def test_uncaught_exception_sets_sys_last_value_warm_as_cold(tmp_path: Pat
     assert record(out, 0, 0)["stdin_access"] == record(out, 1, 0)["stdin_access"] == os.O_RDWR
 
 
-async def test_preloaded_modules_are_imported_before_the_restart(tmp_path: Path) -> None:
+async def test_preloaded_modules_are_imported_before_every_attempt(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
     logs = tmp_path / "logs"
     gate = tmp_path / "gate"
     args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1", "--log-dir", str(logs),
-            "--preload", "colorsys,xml.dom.minidom", "--preload-after", "0", PROBE, str(out)]
+            "--preload", "colorsys,xml.dom.minidom", PROBE, str(out)]
     async with supervisor(args, env={"PROBE_GATE": str(gate)}) as sup:
-        for _ in range(2):
+        for _ in range(4):  # the first attempt's standbys, then the restart's
             await sup.err.expect(r"standby for local rank \d preloaded colorsys,xml.dom.minidom")
         gate.touch()  # now restart 0 may fail
         assert await sup.wait() == 0
-    assert warm_ranks(logs) == [None, [0, 1]]
-    for rank in range(2):
-        cold = record(out, 0, rank)["modules"]
-        warm = record(out, 1, rank)["modules"]
-        assert isinstance(cold, list) and isinstance(warm, list)
-        assert "colorsys" not in cold and "xml.dom.minidom" not in cold
-        assert {"colorsys", "xml.dom.minidom"} <= set(warm)
+    assert warm_ranks(logs) == [[0, 1], [0, 1]]
+    for restart in range(2):
+        for rank in range(2):
+            modules = record(out, restart, rank)["modules"]
+            assert isinstance(modules, list)
+            assert {"colorsys", "xml.dom.minidom"} <= set(modules)
 
 
 async def test_failed_preload_means_a_cold_start_and_one_warning(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     args = [*BASE, "--max-restarts", "1", "--log-dir", str(logs),
-            "--preload", "no_such_module_for_the_test", "--preload-after", "0",
+            "--preload", "no_such_module_for_the_test",
             FAKE_WORKER, "--hang", "--usr1-exit", "1", "--fail-attempts", "1"]
     async with supervisor(args) as sup:
         pid = int((await sup.out.expect(r"^ready 0 (\d+) 0$")).group(1))
         await sup.err.expect(  # the node's fork server failed (not a standby of its own)
             r"fork server: preloading "
             r"'no_such_module_for_the_test' failed: ModuleNotFoundError")
-        os.kill(pid, signal.SIGUSR1)  # the job goes on: the restart is cold
+        os.kill(pid, signal.SIGUSR1)  # the job goes on: the restart is cold too
         await sup.out.expect(r"^ready 0 \d+ 1$")
         found = re.search(r"health endpoint on http://[^:]+:(\d+)", sup.err.text())
         assert found is not None
         port = int(found.group(1))
         metrics = await anyio.to_thread.run_sync(_get, f"http://127.0.0.1:{port}/metrics")
-        assert re.search(r'standby_cold_fallbacks_total\{reason="preload_failed"\} 1\.0',
+        # both attempts' rank: the first attempt waited for the failed import, then cold
+        assert re.search(r'standby_cold_fallbacks_total\{reason="preload_failed"\} 2\.0',
                          metrics), metrics
         sup.signal(signal.SIGTERM)
         assert await sup.wait() == 128 + signal.SIGTERM
@@ -232,9 +239,9 @@ async def test_preload_auto_learns_imports_and_never_preloads_a_rank_reader(
 
     installed = Path(psutil.__file__).read_bytes()
     args = [*BASE, "--max-restarts", "2", "--log-dir", str(tmp_path / "logs"),
-            "--preload", "auto", "--preload-after", "0", "--no-fork-server",
-            str(job_dir / "job.py"), str(out)]
-    async with supervisor(args, env={"PYTHONPATH": str(site)}) as sup:
+            "--preload", "auto", str(job_dir / "job.py"), str(out)]
+    # the embedded API's standbys (each learns from its rank's last worker)
+    async with supervisor(args, env={"PYTHONPATH": str(site)}, launcher=EMBEDDED) as sup:
         # attempt 0 ran cold: its mapped extension modules (psutil) are preloaded
         await sup.err.expect(r"standby for local rank 0 preloaded auto in", timeout=60)
         (out / "go0").touch()
