@@ -127,8 +127,8 @@ async def test_preloaded_restart_resumes_to_torchruns_loss(tmp_path: Path,
                                                         torchrun_loss: str) -> None:
     """Rank 1 hangs at step 30 of the first attempt (forked, as every attempt is); once the
     restart's standbys are forked it is SIGKILLed; the restart runs in them, resumes from
-    the step-20 checkpoint and ends with the loss of an unbroken torchrun run, as a cold restart does
-    (the tests above)."""
+    the step-20 checkpoint and ends with the loss of an unbroken torchrun run, as a cold
+    restart does (the tests above)."""
     logs = tmp_path / "logs"
     args = [*TEE, "--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
             "--log-dir", str(logs), "--log-level", "info",
