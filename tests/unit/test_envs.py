@@ -8,6 +8,7 @@ from supervisor.core.envs import (
     EnvContractError,
     GroupLayout,
     default_omp_threads,
+    standby_python,
     worker_argv,
     worker_env,
 )
@@ -51,3 +52,17 @@ def test_argv_forms() -> None:
     assert worker_argv("/py", "t.py", ["--r=${local_rank}"], 2) == ["/py", "-u", "t.py", "--r=2"]
     assert worker_argv("/py", "pkg.mod", [], 0, module=True) == ["/py", "-u", "-m", "pkg.mod"]
     assert worker_argv("/py", "bash", ["-c", "x"], 0, no_python=True) == ["bash", "-c", "x"]
+
+
+@pytest.mark.parametrize(("no_python", "script", "args", "expected"), [
+    (False, "train.py", ["--lr", "1"], "/usr/bin/python3"),  # $PYTHON_EXEC or ours
+    (True, "/opt/job/venv/bin/python", ["-u", "train.py"], "/opt/job/venv/bin/python"),
+    (True, "/usr/bin/python3.12", ["-u", "-m", "pkg"], "/usr/bin/python3.12"),
+    (True, "/opt/job/venv/bin/python", ["train.py"], None),  # buffered: not the form
+    (True, "/bin/sh", ["-u", "x"], None),
+    (True, "/opt/job/run-python", ["-u", "x"], None),
+])
+def test_the_standby_python_is_the_job_interpreter_in_the_production_form(
+        no_python: bool, script: str, args: list[str], expected: str | None) -> None:
+    assert standby_python("/usr/bin/python3", no_python=no_python, script=script,
+                          args=args) == expected
