@@ -9,9 +9,9 @@ started with the supervisor has imported torch by then:
 - ``late node``: n0 starts, n1 only ``--wait`` s later (``--nnodes 2``): n1's fork server
   cannot be ready, and every step is a collective, so the job waits for n1's cold ranks.
 
-For each: ours ``--preload torch`` (first attempt cold, the default), ours ``--preload
-torch --fork-first-attempt``, and torchrun (c10d, same ``--nnodes`` and ``last_call_timeout``)
-in the same run. Reported: the time from the round's completion (our ``group_started``;
+For each: ours cold (no ``--preload``), ours ``--preload torch`` (the first attempt waits
+for the fork server's import and runs in interpreters forked from it), and torchrun (c10d,
+same ``--nnodes`` and ``last_call_timeout``) in the same run. Reported: the time from the round's completion (our ``group_started``;
 for torchrun, the last node's start plus the same wait, i.e. when its round can close) to
 the first all-reduce done on every rank; and for ours, each node's launch → its ranks'
 first step. ``python benchmarks/first_attempt.py [--reps 3] [--wait 15]``.
@@ -63,13 +63,13 @@ def run_case(scenario: str, launcher: str, wait: float) -> dict[str, Any]:
                             "--nproc-per-node", str(LOCAL), "--rdzv-conf",
                             f"last_call_timeout={last_call:g}", "--max-restarts", "0",
                             "--log-dir", str(root / name), *job]
-                first = ["--fork-first-attempt"] if launcher == "forked" else []
+                preload = ["--preload", "torch"] if launcher == "forked" else []
                 return [str(BIN / "elastic-supervisor"), "run", "--rdzv-backend", "etcd",
                         "--rdzv-endpoint", etcd, "--rdzv-id", run_id, "--nnodes", nnodes,
                         "--nproc-per-node", str(LOCAL), "--rdzv-conf",
                         f"node_id={name},last_call_timeout={last_call:g},lease_ttl=5",
                         "--health-port", "0", "--log-dir", str(root / name),
-                        "--preload", "torch", *first, *job]
+                        *preload, *job]
 
             started = time.time()
             nodes.start("n0", argv("n0"), bad=False)

@@ -11,15 +11,28 @@ records; the phases of that time come from the same records (new interpreter run
 ``import torch``, ``init_process_group``, DDP and the first step). Cells, in one run:
 
 - ours cold (``--no-warm-restart``), ours warm, ours warm with
-  ``--preload torch,torch._dynamo``, ours warm with ``--preload auto`` (its crashes come
-  at --crash-after or 10 s, whichever is later: auto's standbys start 5.5 s after a launch),
-  and the same again in a log directory holding the list the auto cell's run kept
-  (``LOG_DIR/RUN_ID/preload-auto.json``: the job run a second time on the node; its
-  crashes come at --crash-after, as for an explicit list), and auto's first run with
-  ``--fork-first-attempt`` on a one-node etcd rendezvous that waits a 1 s last call (the
-  first attempt runs in interpreters forked from a server with nothing preloaded, so its
-  workers record every module they import; crashes as for auto);
-- torchrun ``--standalone`` and torchrun static (``--rdzv-backend static``), same job.
+  ``--preload torch,torch._dynamo`` (every attempt, the first included, forked from the
+  node's fork server), ours warm with ``--preload auto`` (its crashes come at
+  --crash-after or 10 s, whichever is later: auto learns 5.5 s after a launch), and the
+  same again in a log directory holding the list the auto cell's run kept
+  (``LOG_DIR/RUN_ID/preload-auto.json``: the job run a second time on the node);
+- torchrun ``--standalone`` and torchrun static (``--rdzv-backend static``), same job;
+- the busy node (``busy: ...``): each rank reads from a ``DataLoader`` with 2 CPU-bound
+  worker processes and never sleeps between steps, one crash 20 s into attempt 0 per run
+  (``--busy-runs`` runs): ours cold, ``--preload torch,torch._dynamo``, ``--preload auto``,
+  the list with the fork server SIGKILLed 5 s into the run (its replacement imports under
+  the load), and torchrun ``--standalone``;
+- the production form (``prod: ...``): ``--no-python JOBVENV/bin/python -u JOB``, a second
+  venv (made by this script, ``python -m venv``) that sees torch through a ``.pth`` line and
+  holds a package ours lacks: ours cold and ``--preload torch,torch._dynamo``.
+
+Each of our cells also reports the fork server's import time (its ``ready`` line): the
+first server's, and any later one's (auto's second, a replacement).
+
+The first attempt (``--first-attempt-runs``, 0: skipped): launch -> first step on every rank
+of a job that does not crash, with 2 and 8 ranks (``--first-attempt-ranks``), ours cold
+(no ``--preload``) against ours with ``--preload torch,torch._dynamo`` (the first attempt
+waits for the fork server's import and runs in interpreters forked from it), alternated.
 
 torchrun's restarts of this job often fail (the restarted ranks read the previous
 attempt's gloo addresses from the store it reuses): a torchrun run ends at its first
@@ -34,6 +47,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -48,7 +62,6 @@ import psutil
 
 from benchmarks.fork_cpu import READY, import_seconds, spent
 from benchmarks.harness import BIN, HERE, ensure_bytecode, free_port, launcher_env
-from benchmarks.healing import etcd_server
 from supervisor.workers.warm.forkserver import is_fork_server_command
 from supervisor.workers.warm.standby import is_standby_command
 
@@ -74,9 +87,12 @@ class Cell:
     # its preload: what forking each attempt's standbys cost, one figure per run
     fork_cpu: list[float] = field(default_factory=list)
     seed_from: str | None = None  # a cell whose last run's kept auto list this one starts with
-    # a one-node etcd rendezvous that waits a last call (1 s) for more nodes, as an elastic
-    # job's does: what lets a fork server be ready before the first attempt
-    etcd: bool = False
+    job: tuple[str, ...] = ()  # more arguments of the job (the busy node's DataLoader)
+    busy: bool = False  # one crash per run, ``--busy-runs`` runs
+    kill_server_after: float | None = None  # s after the launcher's start: SIGKILL its server
+    production: bool = False  # --no-python JOBVENV/bin/python -u JOB
+    imports_first: list[float] = field(default_factory=list)  # each run's first server
+    imports_later: list[float] = field(default_factory=list)  # auto's second, a replacement
 
 
 KEPT = Path("none") / "preload-auto.json"  # --preload auto's list, in the run directory
@@ -90,12 +106,8 @@ def command(cell: Cell, ranks: int, restarts: int, logs: Path) -> list[str]:
         ensure_bytecode()
         exe = BIN / "elastic-supervisor"
         head = [str(exe), "run"] if exe.exists() else [sys.executable, "-m", "supervisor", "run"]
-        rdzv = ["--nnodes", "1"]
-        if cell.etcd:
-            rdzv = ["--nnodes", "1:2", "--rdzv-backend", "etcd", "--rdzv-endpoint", ETCD[0],
-                    "--rdzv-id", f"recovery-{os.getpid()}-{time.monotonic_ns()}",
-                    "--rdzv-conf", "last_call_timeout=1"]
-        return [*head, *rdzv, *common, "--health-port", "0", *cell.flags]
+        form = ["--no-python", JOB_VENV[0], "-u"] if cell.production else []
+        return [*head, "--nnodes", "1", *common, "--health-port", "0", *cell.flags, *form]
     exe = BIN / "torchrun"
     head = [str(exe)] if exe.exists() else [sys.executable, "-m", "torch.distributed.run"]
     if cell.name.endswith("static"):
@@ -106,12 +118,13 @@ def command(cell: Cell, ranks: int, restarts: int, logs: Path) -> list[str]:
     return [*head, *rdzv, *common]
 
 
-ETCD = [""]  # the etcd of the cells that need one (started by main)
+JOB_VENV = [""]  # the production form's interpreter (made by main)
 CRASH_AFTER = ["--crash-after", "5"]  # s of training before each crash (the job's default)
 
 
 def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -> int:
-    """One launcher run; adds its recoveries to the cell; returns how many it had."""
+    """One launcher run; adds its recoveries (and its fork servers' import times) to the
+    cell; returns how many it had."""
     root = Path(tempfile.mkdtemp(prefix=f"recovery-{cell.kind}-"))
     out = root / "out"
     out.mkdir()
@@ -122,12 +135,14 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
             "--crashes", str(crashes),
             *(["--crash-after", str(cell.crash_after)] if cell.crash_after is not None
               else CRASH_AFTER),
-            *(["--kill"] if kill else [])]
+            *(["--kill"] if kill else []), *cell.job]
     env = launcher_env()
     with open(root / "err", "wb") as err:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err, env=env, cwd=root, start_new_session=True)
     cpu = ForkCpu(root / "err") if "--preload" in cell.flags else None
+    started = time.monotonic()
+    killed = cell.kill_server_after is None
     try:
         deadline = time.monotonic() + timeout
         # the standbys are sampled every SAMPLE_EVERY s until the first crash, and the last
@@ -142,6 +157,8 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
                 next_sample = time.monotonic() + SAMPLE_EVERY
             if cpu is not None:
                 cpu.poll()
+            if not killed and time.monotonic() - started >= (cell.kill_server_after or 0):
+                killed = kill_fork_server(proc.pid)
             if stalled(out, ranks, crashes) or done(out, ranks, crashes):
                 break  # a recovery that did not happen: this run is over (torchrun's)
             time.sleep(0.05)
@@ -154,6 +171,9 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
         cell.standby_rss += sample.standby_rss
         cell.standby_uss += sample.standby_uss
     found = collect(cell, out, ranks, crashes)
+    imports = [float(t) for t in IMPORTED.findall((root / "err").read_text(errors="replace"))]
+    cell.imports_first += imports[:1]
+    cell.imports_later += imports[1:]
     with contextlib.suppress(OSError):
         kept_lists[cell.name] = (root / "logs" / KEPT).read_bytes()
     if cpu is not None and (per := cpu.per_attempt(found + 1)) is not None:
@@ -166,6 +186,23 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
     else:
         shutil.rmtree(root, ignore_errors=True)
     return found
+
+
+IMPORTED = re.compile(r"fork server \(pid \d+\) ready: preloaded \S+ in ([\d.]+) s")
+
+
+def kill_fork_server(launcher: int) -> bool:
+    """SIGKILL the launcher's fork server (the oldest process with its command line: the
+    standbys it forked show the same one); whether one was found."""
+    with contextlib.suppress(psutil.Error):
+        children = psutil.Process(launcher).children(recursive=True)
+        servers = sorted((p for p in children if is_fork_server_command(p.cmdline())),
+                         key=lambda p: p.create_time())
+        if servers:
+            servers[0].kill()
+            print(f"  killed the fork server (pid {servers[0].pid})", file=sys.stderr)
+            return True
+    return False
 
 
 # s after a crash without every rank's first step: the recovery failed (``--stall``; a
@@ -285,6 +322,10 @@ def collect(cell: Cell, out: Path, ranks: int, crashes: int) -> int:
     return found
 
 
+BUSY_JOB = ("--loader-workers", "2", "--step-sleep", "0")
+LIST = ("--preload", "torch,torch._dynamo")
+
+
 def cells(crash_after: float, auto_crash_after: float | None = None) -> list[Cell]:
     """The cells; auto's crash comes at ``--crash-after`` or 10 s, whichever is later
     (``--auto-crash-after``: then, for its early crashes)."""
@@ -292,24 +333,47 @@ def cells(crash_after: float, auto_crash_after: float | None = None) -> list[Cel
     return [
         Cell("ours cold", "ours", ("--no-warm-restart",)),
         Cell("ours warm", "ours"),
-        Cell("ours warm + preload", "ours", ("--preload", "torch,torch._dynamo")),
-        # auto's standbys start 5.5 s after a launch (a warm worker records its imports
-        # 1 and 5 s after it started), then import at idle priority: crashes come later
+        Cell("ours warm + preload", "ours", LIST),
+        # the first attempt runs in interpreters forked from a server with nothing
+        # preloaded; auto learns from their records 5.5 s after the launch, and a second
+        # server imports the list: crashes come later
         Cell("ours warm + preload auto", "ours", ("--preload", "auto"),
              crash_after=auto_after),
         # with the list the auto cell's run kept, the fork server imports it from the
         # supervisor's start, as for an explicit list: its crashes come at --crash-after
         Cell("ours warm + preload auto again", "ours", ("--preload", "auto"),
              seed_from="ours warm + preload auto"),
-        # auto's first run with the first attempt forked from a server with nothing
-        # preloaded (ready while the round waits its last call): those workers record every
-        # module they import, so auto learns torch._dynamo before the first restart
-        Cell("ours warm + preload auto + forked first attempt", "ours",
-             ("--preload", "auto", "--fork-first-attempt"),
-             crash_after=auto_after, etcd=True),
         Cell("torchrun standalone", "torchrun"),
         Cell("torchrun static", "torchrun"),
+        busy("busy: ours cold", "ours", ("--no-warm-restart",)),
+        busy("busy: ours preload", "ours", LIST),
+        busy("busy: ours preload auto", "ours", ("--preload", "auto")),
+        busy("busy: ours preload, server killed at 5 s", "ours", LIST, kill_server_after=5.0),
+        busy("busy: torchrun standalone", "torchrun"),
+        Cell("prod: ours cold", "ours", ("--no-warm-restart",), production=True),
+        Cell("prod: ours preload", "ours", LIST, production=True),
     ]
+
+
+def busy(name: str, kind: str, flags: tuple[str, ...] = (),
+         kill_server_after: float | None = None) -> Cell:
+    """A busy-node cell: the DataLoader job, one crash 20 s into attempt 0 per run."""
+    return Cell(name, kind, flags, crash_after=20.0, job=BUSY_JOB, busy=True,
+                kill_server_after=kill_server_after)
+
+
+def make_job_venv(where: Path) -> str:
+    """The production form's venv: ``python -m venv`` (another interpreter path, its own
+    site-packages) that sees our venv's torch through a ``.pth`` line (not our package:
+    an editable install's finder is itself a ``.pth`` of our venv, not read from there)
+    and holds a package ours lacks (``jobvenv_only``, imported by nothing: it only shows
+    the venv is the job's). Returns its interpreter."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(where)], check=True)
+    (site,) = where.glob("lib/python*/site-packages")
+    torch_site = Path(__import__("torch").__file__).parent.parent
+    (site / "torch-from-bench.pth").write_text(f"{torch_site}\n")
+    (site / "jobvenv_only.py").write_text("VALUE = 1\n")
+    return str(where / "bin" / "python")
 
 
 def median(values: list[float]) -> float | None:
@@ -335,18 +399,25 @@ def main() -> int:
                     help="runs of each of our cells (each crashes --reps times)")
     ap.add_argument("--stall", type=float, default=STALL[0],
                     help="seconds after a crash without a first step: a failed recovery")
+    ap.add_argument("--busy-runs", type=int, default=3,
+                    help="runs of each busy-node cell (one crash each, 20 s in)")
+    ap.add_argument("--first-attempt-runs", type=int, default=5,
+                    help="runs of each launcher for the first-attempt measure (0: skip)")
+    ap.add_argument("--first-attempt-ranks", default="2,8")
     a = ap.parse_args()
     print(f"import torch alone: {import_seconds('torch'):.2f} s on this machine; the job "
           "steps every 20 ms, mostly waiting", file=sys.stderr, flush=True)
     CRASH_AFTER[1] = str(a.crash_after)
     STALL[0] = a.stall
-    with contextlib.ExitStack() as stack:
-        if any(cell.etcd for cell in selected(a)):
-            data = stack.enter_context(tempfile.TemporaryDirectory(prefix="recovery-etcd-"))
-            ETCD[0] = stack.enter_context(etcd_server(Path(data)))
+    with tempfile.TemporaryDirectory(prefix="recovery-jobvenv-") as venv:
+        if any(cell.production for cell in selected(a)):
+            JOB_VENV[0] = make_job_venv(Path(venv))
         results = run_cells(a)
+        firsts = first_attempts(a)
     table(results)
     ratios(results)
+    import_table(results)
+    first_attempt_table(firsts)
     mem = [r for r in results if r.get("standby_rss_mib")]
     if mem:
         print("\nPreloaded standby, median per standby: "
@@ -356,7 +427,8 @@ def main() -> int:
                              if r.get("fork_cpu_per_attempt_ms") else "")
                           for r in mem))
     if a.json:
-        a.json.write_text(json.dumps(results, indent=1) + "\n")
+        a.json.write_text(json.dumps({"recovery": results, "first_attempt": firsts},
+                                     indent=1) + "\n")
     return 0
 
 
@@ -375,7 +447,10 @@ def run_cells(a: argparse.Namespace) -> list[dict[str, object]]:
             kill = mode == "kill"
             for cell in selected(a):
                 started = time.monotonic()
-                if cell.kind == "ours":
+                if cell.busy:
+                    while cell.runs < a.busy_runs:
+                        run_once(cell, ranks, 1, kill, timeout=180)
+                elif cell.kind == "ours":
                     for _ in range(a.ours_runs):
                         run_once(cell, ranks, a.reps, kill, timeout=60 + 15 * a.reps)
                 else:
@@ -403,29 +478,40 @@ def summarise(cell: Cell, ranks: int, mode: str, seconds: float) -> dict[str, ob
         "fork_server_rss_mib": (median([float(v) for v in cell.server_rss]) or 0) / 2**20
         or None,
         "fork_cpu_per_attempt_ms": (median(cell.fork_cpu) or 0) * 1e3 or None,
+        "import_first_s": median(cell.imports_first),
+        "import_later_s": median(cell.imports_later),
+        "imports_later_n": len(cell.imports_later),
         "seconds": round(seconds, 1),
     }
 
 
+RATIOS = (  # (base cell, the cells it is compared with)
+    ("ours warm + preload", ("ours cold", "ours warm", "torchrun standalone",
+                             "torchrun static")),
+    ("busy: ours preload", ("busy: ours cold", "busy: torchrun standalone")),
+    ("prod: ours preload", ("prod: ours cold",)),
+)
+
+
 def ratios(results: list[dict[str, object]]) -> None:
-    """How many times faster ``ours warm + preload`` recovered than each other cell."""
-    print("\n| ranks | crash | preload median s | x vs ours cold | x vs ours warm |"
-          " x vs torchrun standalone | x vs torchrun static |")
-    print("|---|---|---|---|---|---|---|")
+    """How many times faster each base cell (``--preload``) recovered than the others."""
     groups: dict[tuple[object, object], dict[str, object]] = {}
     for r in results:
         groups.setdefault((r["ranks"], r["crash"]), {})[str(r["launcher"])] = r["median"]
-    for (ranks, crash), cells in groups.items():
-        base = cells.get("ours warm + preload")
-        if not isinstance(base, float):
-            continue
-
-        def x(name: str, cells: dict[str, object] = cells, base: float = base) -> str:
-            other = cells.get(name)
-            return f"{other / base:.1f}x" if isinstance(other, float) else "n/a"
-
-        print(f"| {ranks} | {crash} | {base:.3f} | {x('ours cold')} | {x('ours warm')} | "
-              f"{x('torchrun standalone')} | {x('torchrun static')} |")
+    for base_name, others in RATIOS:
+        lines = []
+        for (ranks, crash), found in groups.items():
+            base = found.get(base_name)
+            if not isinstance(base, float):
+                continue
+            xs = [found.get(name) for name in others]
+            lines.append(f"| {ranks} | {crash} | {base:.3f} | " + " | ".join(
+                f"{x / base:.1f}x" if isinstance(x, float) else "n/a" for x in xs) + " |")
+        if lines:
+            print(f"\n| ranks | crash | {base_name} median s | "
+                  + " | ".join(f"x vs {name}" for name in others) + " |")
+            print("|---|---|---|" + "---|" * len(others))
+            print("\n".join(lines))
 
 
 def table(results: list[dict[str, object]]) -> None:
@@ -443,6 +529,90 @@ def table(results: list[dict[str, object]]) -> None:
               if isinstance(med, float) else
               f"| {r['ranks']} | {r['crash']} | {r['launcher']} | 0 | never recovered | - | - |"
               f" {r['failed_runs']}/{r['runs']} |")
+
+
+def import_table(results: list[dict[str, object]]) -> None:
+    """The fork server's import time in each of our cells that has one."""
+    rows = [r for r in results if r.get("import_first_s") is not None]
+    if not rows:
+        return
+    print("\n| ranks | crash | launcher | fork server import, first server (median s) |"
+          " later servers (median s, count) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        later = r.get("import_later_s")
+        print(f"| {r['ranks']} | {r['crash']} | {r['launcher']} | {r['import_first_s']:.2f} | "
+              + (f"{later:.2f} ({r['imports_later_n']}) |" if isinstance(later, float)
+                 else "- |"))
+
+
+def first_attempts(a: argparse.Namespace) -> list[dict[str, object]]:
+    """Launch -> first step on every rank, ours cold against forked, runs alternated."""
+    rows: list[dict[str, object]] = []
+    if a.first_attempt_runs <= 0:
+        return rows
+    launchers = {"ours cold (no --preload)": Cell("first cold", "ours"),
+                 "ours forked (--preload torch,torch._dynamo)": Cell("first forked", "ours",
+                                                                     LIST)}
+    for ranks in (int(r) for r in a.first_attempt_ranks.split(",")):
+        times: dict[str, list[float]] = {name: [] for name in launchers}
+        imports: list[float] = []
+        for run in range(a.first_attempt_runs):
+            order = list(launchers.items())
+            for name, cell in order if run % 2 == 0 else order[::-1]:
+                took, imported = first_attempt_once(cell, ranks)
+                if took is not None:
+                    times[name].append(took)
+                imports += imported
+                print(f"  first attempt, {ranks} ranks, {name}: {took}", file=sys.stderr,
+                      flush=True)
+        for name, values in times.items():
+            rows.append({"ranks": ranks, "launcher": name, "n": len(values),
+                         "median": median(values), "min": min(values, default=None),
+                         "max": max(values, default=None),
+                         "import_s": median(imports) if "forked" in name else None})
+    return rows
+
+
+def first_attempt_once(cell: Cell, ranks: int) -> tuple[float | None, list[float]]:
+    """One run of a job that does not crash: seconds from the launcher's start to every
+    rank's first step (None: not within the timeout), and its fork server's import."""
+    root = Path(tempfile.mkdtemp(prefix="first-attempt-"))
+    out = root / "out"
+    out.mkdir()
+    argv = [*command(cell, ranks, 0, root / "logs"), str(JOB), str(out), "--crashes", "0"]
+    launched = time.time()
+    with open(root / "err", "wb") as err:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=err, env=launcher_env(), cwd=root,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not done(out, ranks, 0) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        took = None
+        if done(out, ranks, 0):
+            took = max(json.loads((out / f"a0_r{r}.json").read_text())["step"]
+                       for r in range(ranks)) - launched
+    finally:
+        stop(proc)
+    imports = [float(t) for t in IMPORTED.findall((root / "err").read_text(errors="replace"))]
+    shutil.rmtree(root, ignore_errors=True)
+    return took, imports
+
+
+def first_attempt_table(rows: list[dict[str, object]]) -> None:
+    if not rows:
+        return
+    print("\n| ranks | launcher | runs | launch -> first step on every rank, median s |"
+          " min-max s | fork server import, median s |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        med, low, high, imp = r["median"], r["min"], r["max"], r["import_s"]
+        print(f"| {r['ranks']} | {r['launcher']} | {r['n']} | "
+              + (f"{med:.2f} | {low:.2f}-{high:.2f} |" if isinstance(med, float)
+                 and isinstance(low, float) and isinstance(high, float) else "- | - |")
+              + (f" {imp:.2f} |" if isinstance(imp, float) else " - |"))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The real DDP job of ``benchmarks/recovery.py``: the same file under every launcher.
 
     recovery_job.py OUT_DIR --crashes K [--crash-after S] [--kill] [--step-sleep S]
+                    [--loader-workers N]
 
 torch CPU, gloo, ``nn.Linear(64, 64)`` under ``DistributedDataParallel``. Every attempt
 whose restart count is below K ends with the last rank crashing (``exit 3``, or SIGKILL
@@ -14,6 +15,11 @@ phases: ``start`` (the script runs), ``torch`` (``import torch`` done), ``pg``
 the crashing rank writes ``OUT/crash_{restart}`` with the time just before it dies.
 Deadlines go through ``FileTimerClient`` when the launcher gives a timer file, as a user's
 job would: that is the job's progress signal.
+
+``--loader-workers N`` (the busy node): each rank reads its inputs from a ``DataLoader``
+with N worker processes whose every sample costs a few ms of CPU (as decoding and
+augmenting do), and ``--step-sleep 0`` keeps the ranks busy too; the first step then
+includes the DataLoader's first batch.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from contextlib import AbstractContextManager, nullcontext  # noqa: E402
 
 import torch  # noqa: E402
@@ -44,7 +51,36 @@ def parse() -> argparse.Namespace:
     p.add_argument("--crash-after", type=float, default=5.0)
     p.add_argument("--kill", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.02)
+    p.add_argument("--loader-workers", type=int, default=0)
     return p.parse_args()
+
+
+class Preprocessed(torch.utils.data.Dataset[torch.Tensor]):
+    """Samples that cost CPU to make, as decoded and augmented images do (~3 ms each)."""
+
+    def __len__(self) -> int:
+        return 1 << 30
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        x = torch.randn(96, 96)
+        for _ in range(4):
+            x = torch.tanh(x @ x.T / 96)
+        return x[0, :64].clone()
+
+
+def one_thread(_worker: int) -> None:
+    torch.set_num_threads(1)
+
+
+def inputs(loader_workers: int) -> Iterator[torch.Tensor]:
+    """The batches each step trains on: random, or from a busy DataLoader."""
+    if not loader_workers:
+        while True:
+            yield torch.randn(32, 64)
+    loader = torch.utils.data.DataLoader(Preprocessed(), batch_size=16,
+                                         num_workers=loader_workers,
+                                         worker_init_fn=one_thread)
+    yield from loader
 
 
 def deadline() -> AbstractContextManager[object]:
@@ -78,9 +114,10 @@ def main() -> None:
     crashing = rank == world - 1 and restart < args.crashes
     first: float | None = None
     step = 0
+    batches = inputs(args.loader_workers)
     while True:
         with deadline():
-            x = torch.randn(32, 64)
+            x = next(batches)
             loss = model(x).pow(2).mean()
             opt.zero_grad()
             loss.backward()
@@ -99,7 +136,8 @@ def main() -> None:
             os._exit(3)
         if restart >= args.crashes and step >= 5:
             break
-        time.sleep(args.step_sleep)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
