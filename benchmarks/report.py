@@ -54,7 +54,8 @@ def sections(quick: bool) -> list[Section]:
                 ["--duration", "20"], ["--duration", "5"]),
         Section("recovery", "Recovery of a real DDP job (crash -> first step of the next attempt)",
                 "recovery.py", ["--reps", "10"],
-                ["--reps", "2", "--ranks", "2", "--crashes", "exit", "--torchrun-runs", "3"]),
+                ["--reps", "2", "--ranks", "2", "--crashes", "exit", "--torchrun-runs", "3",
+                 "--busy-runs", "1", "--first-attempt-runs", "1"]),
         Section("rendezvous", "Rendezvous and scale-up (etcd vs torchrun c10d)",
                 "rendezvous_bench.py",
                 ["--reps", "1", "--sizes", "2,4,8,16", "--scale-window", "5",
@@ -74,7 +75,7 @@ def run(section: Section, quick: bool, workdir: Path) -> None:
     log(f"== {section.script} {' '.join(args)}")
     started = time.monotonic()
     result = subprocess.run([sys.executable, str(script), *args], capture_output=True,
-                            text=True, cwd=HERE.parent, timeout=1800)
+                            text=True, cwd=HERE.parent, timeout=4 * 3600)
     section.seconds = time.monotonic() - started
     section.text = result.stdout.strip() or "_no output_"
     if result.returncode != 0:
