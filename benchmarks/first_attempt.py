@@ -14,7 +14,8 @@ for the fork server's import and runs in interpreters forked from it), and torch
 same ``--nnodes`` and ``last_call_timeout``) in the same run. Reported: the time from the
 round's completion (our ``group_started``; for torchrun, the last node's start plus the
 same wait, i.e. when its round can close) to the first all-reduce done on every rank; and
-for ours, each node's launch → its ranks' first step. ``python benchmarks/first_attempt.py [--reps 3] [--wait 15]``.
+for ours, each node's launch → its ranks' first step.
+``python benchmarks/first_attempt.py [--reps 3] [--wait 15]``.
 """
 
 from __future__ import annotations
