@@ -406,8 +406,14 @@ def main() -> int:
                     help="runs of each launcher for the first-attempt measure (0: skip)")
     ap.add_argument("--first-attempt-ranks", default="2,8")
     a = ap.parse_args()
-    print(f"import torch alone: {import_seconds('torch'):.2f} s on this machine; the job "
-          "steps every 20 ms, mostly waiting", file=sys.stderr, flush=True)
+    print(f"`import torch` alone took {import_seconds('torch'):.2f} s at the start, load "
+          f"average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores. Every figure is crash "
+          "-> the first completed step of the next attempt on every rank (the latest "
+          "rank's), from the workers' own clocks. The job steps every 20 ms, mostly "
+          "waiting; the busy cells' ranks read from a DataLoader of 2 CPU-bound workers "
+          "each and never wait (6 CPU-bound processes on the node), one crash 20 s into "
+          "attempt 0 per run, and their first step includes the DataLoader's first batch.",
+          flush=True)
     CRASH_AFTER[1] = str(a.crash_after)
     STALL[0] = a.stall
     with tempfile.TemporaryDirectory(prefix="recovery-jobvenv-") as venv:

@@ -139,3 +139,20 @@ def autogroup_nice(pid: int) -> int | None:
     except FileNotFoundError:  # a kernel without autogroups
         return None
     return int(fields[-1]) if fields else None
+
+
+async def test_a_stop_while_the_first_attempt_waits_for_the_import_ends_the_run(
+    tmp_path: Path
+) -> None:
+    """The import never ends (the gate stays shut): SIGTERM still stops the supervisor
+    at once, with no worker started."""
+    env, _gate, started = gated(tmp_path)
+    logs = tmp_path / "logs"
+    args = [*BASE, "--log-dir", str(logs), "--preload", "gated_preload", FAKE_WORKER]
+    async with supervisor(args, env=env, cwd=tmp_path) as sup:
+        await sup.err.expect("the first attempt waits for the fork server's import",
+                             timeout=30)
+        await wait_for_file(started)
+        sup.signal(signal.SIGTERM)
+        assert await sup.wait(timeout=30) == 128 + signal.SIGTERM
+    assert read_events(logs / "none" / "events.jsonl", "group_started") == []

@@ -363,7 +363,8 @@ class WarmPool:
         Sooner: the server began importing before the attempt that just stopped, so it is
         ahead of a cold worker that would import the same modules from nothing; it is
         waited for at most as long as this node's last cold start took from launch to
-        every rank's first progress (not seen yet: ``UNKNOWN_COLD_WAIT``), and then the
+        every rank's first progress (not seen yet: what the last ready server's import
+        took; neither known: ``UNKNOWN_COLD_WAIT``), and then the
         ranks start cold, the import going on for the next restart. One server is waited
         for once: a preload that hangs delays one restart, not every one. Before the first
         launch: ``_settle_first``."""
@@ -407,9 +408,8 @@ class WarmPool:
         assert self.forks is not None
         config = self._first_config()
         importing = None if config is None else self.forks.importing_for(config)
-        if importing is not None:
-            logger.info("the first attempt waits for the fork server's import "
-                        "(importing for %.1f s)", importing)
+        logger.info("the first attempt waits for the fork server's import%s",
+                    "" if importing is None else f" (importing for {importing:.1f} s)")
         await self._first_forked.wait()
 
     async def _stand_by_first(self) -> None:
