@@ -159,7 +159,8 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
                 cpu.poll()
             if not killed and time.monotonic() - started >= (cell.kill_server_after or 0):
                 killed = kill_fork_server(proc.pid)
-            if stalled(out, ranks, crashes) or done(out, ranks, crashes):
+            limit = max(STALL[0], BUSY_STALL) if cell.busy else STALL[0]
+            if stalled(out, ranks, crashes, limit) or done(out, ranks, crashes):
                 break  # a recovery that did not happen: this run is over (torchrun's)
             time.sleep(0.05)
         if cpu is not None:
@@ -208,6 +209,8 @@ def kill_fork_server(launcher: int) -> bool:
 # s after a crash without every rank's first step: the recovery failed (``--stall``; a
 # cold restart on a 2-core machine shared with other jobs took 12-16 s)
 STALL = [12.0]
+# the same on the busy node: a cold restart there took over 12 s on the shared machine
+BUSY_STALL = 90.0
 
 
 class ForkCpu:
@@ -240,14 +243,14 @@ def done(out: Path, ranks: int, crashes: int) -> bool:
     return all((out / f"a{crashes}_r{r}.json").exists() for r in range(ranks))
 
 
-def stalled(out: Path, ranks: int, crashes: int) -> bool:
-    """Whether the last crash has gone ``STALL`` s without the next attempt stepping."""
+def stalled(out: Path, ranks: int, crashes: int, limit: float) -> bool:
+    """Whether the last crash has gone ``limit`` s without the next attempt stepping."""
     last = max((k for k in range(crashes) if (out / f"crash_{k}").exists()), default=None)
     if last is None:
         return False
     if all((out / f"a{last + 1}_r{r}.json").exists() for r in range(ranks)):
         return False
-    return time.time() - float((out / f"crash_{last}").read_text()) > STALL[0]
+    return time.time() - float((out / f"crash_{last}").read_text()) > limit
 
 
 SAMPLE_EVERY = 2.0  # s between two samples of the standbys' memory
