@@ -113,6 +113,10 @@ class GoodputRecorder:
             cause = "remote_failure" if isinstance(event, sm.RemoteFailure) else (
                 "node_quarantined")
             acc.relabel(cause, event.message[:MAX_MESSAGE])
+        elif isinstance(event, sm.PeerLost) and new.root_cause is not None and (
+            new.root_cause.kind is sm.FailureKind.NODE_LOST
+        ):  # a peer was lost: a membership change (not past the cap)
+            acc.relabel("node_lost", new.root_cause.describe()[:MAX_MESSAGE])
         elif old.phase is sm.Phase.RUNNING and new.phase is sm.Phase.EXIT_BARRIER:
             closed += acc.paused(now, settle=True)
         if new.phase.final:
@@ -223,6 +227,8 @@ def _cause(failure: sm.Failure) -> str:
             return "remote_failure"
         case sm.FailureKind.NODE_CHECK:
             return "node_check"
+        case sm.FailureKind.NODE_LOST:
+            return "node_lost"
     return "other"
 
 

@@ -24,6 +24,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from supervisor.config import Settings
 from supervisor.core import state as sm
+from supervisor.core.peers import CHECK_BOUND
 from supervisor.core.policy import RestartPolicy
 from supervisor.core.snapshot import ProgressTable
 from supervisor.events import EventLog
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
     from supervisor.healing import Healing
 
 logger = logging.getLogger(__name__)
+
+# failures a lost peer can cause (a broken collective exits, aborts or hangs)
+PEER_KINDS = (sm.FailureKind.EXITED, sm.FailureKind.SIGNALED, sm.FailureKind.DEADLINE)
 
 
 # ------------------------------------------------------------------- inbox commands
@@ -441,30 +445,59 @@ class Controller:
         async with guard:
             resolved = await self._stop_and_resolve(attempt, decision)
         if resolved is not None:  # before GroupStopped: it decides where the stop leads
-            self._apply(resolved)
+            self._post(resolved)
         self.events.emit("group_stopped", seconds=round(time.monotonic() - started, 6))
         self._post(sm.GroupStopped(time.monotonic(), self._rng.random()))
 
     async def _stop_and_resolve(self, attempt: Attempt | None, decision: sm.StopGroup
                                 ) -> sm.Event | None:
-        """Stop the workers; meanwhile, for a failure, ask whether it was another node's
-        (a remote consequence) or the K-th of this node's (quarantine)."""
+        """Stop the workers; meanwhile, for a failure, ask whether it came from a lost
+        peer (a membership change), was another node's (a remote consequence) or the K-th
+        of this node's (quarantine)."""
         root = self.state.root_cause
-        if self.healing is None or root is None or decision.reason is not sm.StopReason.FAILURE:
+        if root is None or decision.reason is not sm.StopReason.FAILURE:
             await self._stop_workers(attempt, decision)
             return None
-        healing, found = self.healing, list[sm.Event | None]()
-        number = self.round.round if self.round else 0
-        rank = None if root.local_rank is None or attempt is None else (
-            attempt.layout.rank_offset + root.local_rank)
+        found = list[sm.Event | None]()
 
         async def resolve() -> None:
-            found.append(await healing.resolve(root, number, rank))
+            found.append(await self._resolve(root, attempt))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(resolve)
             await self._stop_workers(attempt, decision)
         return found[0] if found else None
+
+    async def _resolve(self, root: sm.Failure, attempt: Attempt | None) -> sm.Event | None:
+        """A lost peer first: its consequence is no failure of this node's to record."""
+        lost = await self._lost_peers(root)
+        if lost is not None or self.healing is None:
+            return lost
+        number = self.round.round if self.round else 0
+        rank = None if root.local_rank is None or attempt is None else (
+            attempt.layout.rank_offset + root.local_rank)
+        return await self.healing.resolve(root, number, rank)
+
+    async def _lost_peers(self, root: sm.Failure) -> sm.PeerLost | None:
+        """Ask the round's other members (``Rendezvous.check_peers``, bounded by
+        ``CHECK_BOUND``) whether one is gone, for a failure a lost peer can cause."""
+        round_ = self.round
+        if (root.kind not in PEER_KINDS or round_ is None or len(round_.members) < 2
+                or not self.rendezvous.capabilities.membership_can_change):
+            return None
+        started = time.monotonic()
+        check = await self.rendezvous.check_peers(round_, CHECK_BOUND)
+        self.events.emit("peers_checked", round=round_.round,
+                         lost={p.node: p.how for p in check.lost} or None,
+                         alive=list(check.alive), unsure=list(check.unsure) or None,
+                         seconds=round(time.monotonic() - started, 6))
+        if not check.lost:
+            if check.unsure:
+                logger.info("no peer confirmed gone (no clear answer from %s within %g s): "
+                            "the failure counts as this node's", ", ".join(check.unsure),
+                            CHECK_BOUND)
+            return None
+        return sm.PeerLost(check.lost, time.monotonic())
 
     async def _stop_workers(self, attempt: Attempt | None, decision: sm.StopGroup) -> None:
         await self.group.stop(attempt, decision.signum)

@@ -134,6 +134,8 @@ class ReadModel:
                 "state", old=old.phase.value, new=new.phase.value, cause=type(event).__name__,
                 reason=(new.stop_reason.value if new.stop_reason else None),
             )
+        if isinstance(event, sm.PeerLost) and old.stop_reason is sm.StopReason.FAILURE:
+            self._peer_lost(event, new)
         if new.phase is sm.Phase.FAILED and old.stop_reason is sm.StopReason.FAILURE:
             self.events.emit("restart_refused", reason=new.last_decision_reason,
                              restart_count=new.restart_count)
@@ -158,6 +160,14 @@ class ReadModel:
     def on_round(self, result: RendezvousResult) -> None:
         """A rendezvous round completed (members, master: shown in ``/status``)."""
         self.round = result
+
+    def _peer_lost(self, event: sm.PeerLost, new: sm.State) -> None:
+        """Which peers were lost, how each was seen, and what it cost."""
+        free = new.stop_reason is sm.StopReason.MEMBERSHIP
+        self.events.emit("peer_lost", nodes={p.node: p.how for p in event.lost},
+                         budget_used=not free)
+        logger.log(logging.WARNING if free else logging.ERROR, "%s",
+                   new.last_decision_reason)
 
     def _record(self, event: sm.Event) -> None:
         """Event-log lines for inputs that are not state changes by themselves."""

@@ -15,9 +15,16 @@ class RestartHistory(msgspec.Struct, frozen=True):
 
     restarts: tuple[float, ...] = ()
     group_started_at: float | None = None
+    peer_losses: tuple[float, ...] = ()  # budget-free restarts for lost peers (core.peers)
 
     def started(self, now: float) -> RestartHistory:
         return replace(self, group_started_at=now)
+
+
+# Budget-free restarts for lost peers: at most LIMIT in any WINDOW seconds on a node; past
+# that a lost peer's failure counts as any other, so a job whose peers keep vanishing ends.
+PEER_LOSS_LIMIT = 3
+PEER_LOSS_WINDOW = 600.0
 
 
 class Verdict(msgspec.Struct, frozen=True):
@@ -38,6 +45,8 @@ class RestartPolicy(msgspec.Struct, frozen=True):
     budget_window: float | None = None
     no_restart_exit_codes: frozenset[int] = msgspec.field(default_factory=frozenset)
     restart_exit_codes: frozenset[int] | None = None  # allow-list; None allows all
+    peer_loss_limit: int = PEER_LOSS_LIMIT
+    peer_loss_window: float = PEER_LOSS_WINDOW
 
     def healed(self, history: RestartHistory, now: float) -> RestartHistory:
         """Forget restarts once the group has run healthy for the whole window."""
@@ -45,7 +54,7 @@ class RestartPolicy(msgspec.Struct, frozen=True):
         if self.budget_window is None or started is None:
             return history
         if now - started >= self.budget_window:
-            return RestartHistory((), started)
+            return replace(history, restarts=())
         return history
 
     def ceiling(self, used: int) -> float:
@@ -96,3 +105,15 @@ class RestartPolicy(msgspec.Struct, frozen=True):
 
     def budget_left(self, history: RestartHistory, now: float) -> int:
         return max(0, self.max_restarts - len(self.healed(history, now).restarts))
+
+    def peer_loss_free(self, history: RestartHistory, now: float) -> bool:
+        """Whether a failure that came from a lost peer may restart without the budget:
+        fewer than ``peer_loss_limit`` such restarts in the last ``peer_loss_window``."""
+        return len(self._recent_peer_losses(history, now)) < self.peer_loss_limit
+
+    def spend_peer_loss(self, history: RestartHistory, now: float) -> RestartHistory:
+        """``history`` with one more budget-free restart for a lost peer at ``now``."""
+        return replace(history, peer_losses=(*self._recent_peer_losses(history, now), now))
+
+    def _recent_peer_losses(self, history: RestartHistory, now: float) -> tuple[float, ...]:
+        return tuple(t for t in history.peer_losses if now - t < self.peer_loss_window)

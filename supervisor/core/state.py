@@ -15,6 +15,7 @@ import msgspec
 from msgspec.structs import replace
 
 from supervisor.core.nodehealth import EXIT_QUARANTINED
+from supervisor.core.peers import LostPeer
 from supervisor.core.policy import RestartHistory, RestartPolicy
 
 # An attempt the supervisor cannot prepare (full log disk, no inodes) is retried after
@@ -64,6 +65,7 @@ class FailureKind(enum.Enum):
     RENDEZVOUS = "rendezvous"  # rendezvous could not complete
     SUPERVISOR = "supervisor"  # the supervisor could not prepare an attempt (disk full...)
     NODE_CHECK = "node_check"  # the node check failed while the workers ran
+    NODE_LOST = "node_lost"  # a peer node of the round was confirmed gone (core.peers)
 
 
 class Failure(msgspec.Struct, frozen=True):
@@ -81,7 +83,9 @@ class Failure(msgspec.Struct, frozen=True):
     def describe(self) -> str:
         """A one-line human description used in summaries and STATUS lines."""
         where = f"local rank {self.local_rank}" if self.local_rank is not None else "node"
-        if self.kind is FailureKind.SIGNALED and self.signal is not None:
+        if self.kind is FailureKind.NODE_LOST:
+            where, what = "peer", "lost"
+        elif self.kind is FailureKind.SIGNALED and self.signal is not None:
             what = f"killed by {signal_name(self.signal)}"
         elif self.kind is FailureKind.EXITED:
             what = f"exited with code {self.exit_code}"
@@ -183,6 +187,18 @@ class RemoteFailure(msgspec.Struct, frozen=True):
     at: float
 
 
+class PeerLost(msgspec.Struct, frozen=True):
+    """While stopping for a local failure: peers of the round were confirmed gone
+    (``core.peers``), so the failure came from a lost node: a membership change, with no
+    restart budget used (within ``RestartPolicy.peer_loss_free``)."""
+
+    lost: tuple[LostPeer, ...]
+    at: float
+
+    def describe(self) -> str:
+        return "; ".join(p.describe() for p in self.lost)
+
+
 class NodeQuarantined(msgspec.Struct, frozen=True):
     """This node is bad (K root-cause failures in the window, or its node check failed
     while the workers ran): stop, leave the rendezvous gracefully, exit EXIT_QUARANTINED."""
@@ -224,6 +240,7 @@ Event = (
     | DeadlineExpired
     | WorkerUnhealthy
     | RemoteFailure
+    | PeerLost
     | NodeQuarantined
     | MembershipChanged
     | ShutdownRequested
@@ -429,6 +446,12 @@ def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State
             failure = Failure(FailureKind.REMOTE, state.attempt, event.at, message=event.message)
             return replace(state, stop_reason=StopReason.MEMBERSHIP, root_cause=failure,
                            last_failure=failure), Nothing()
+        # STOPPING(failure) -> STOPPING(membership): a peer was lost, within the cap
+        case Phase.STOPPING, PeerLost() if state.stop_reason is StopReason.FAILURE:
+            return _on_peer_lost(state, event, policy)
+        # a lost peer learned in any other phase: the membership watch handles it
+        case _, PeerLost():
+            return state, Nothing()
         # STOPPING(failure) -> STOPPING(quarantine): the K-th failure of this node
         case Phase.STOPPING, NodeQuarantined() if state.stop_reason in (
             StopReason.FAILURE, StopReason.MEMBERSHIP
@@ -472,6 +495,25 @@ def transition(state: State, event: Event, policy: RestartPolicy) -> tuple[State
         case Phase.EXIT_BARRIER, MembershipChanged() | RemoteFailure() | DeadlineExpired():
             return state, Nothing()
     raise InvalidTransition(state, event)
+
+
+def _on_peer_lost(state: State, event: PeerLost, policy: RestartPolicy
+                  ) -> tuple[State, Decision]:
+    lost = event.describe()
+    if not policy.peer_loss_free(state.history, event.at):
+        # STOPPING(failure) stays: past the cap, the failure counts as any other
+        reason = (f"{lost} lost, but {policy.peer_loss_limit} restart(s) for lost peers in "
+                  f"the last {policy.peer_loss_window:g} s were free already: this one "
+                  "uses the restart budget")
+        return replace(state, last_decision_reason=reason), Nothing()
+    local = state.root_cause.describe() if state.root_cause is not None else "a failure"
+    failure = Failure(FailureKind.NODE_LOST, state.attempt, event.at,
+                      message=f"{lost}; then {local}")
+    return replace(state, stop_reason=StopReason.MEMBERSHIP, root_cause=failure,
+                   last_failure=failure,
+                   history=policy.spend_peer_loss(state.history, event.at),
+                   last_decision_reason=f"{lost} lost: a membership change, no restart "
+                                        "used"), Nothing()
 
 
 def _on_launch_failed(state: State, event: LaunchFailed) -> tuple[State, Decision]:

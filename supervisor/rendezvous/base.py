@@ -15,6 +15,7 @@ import msgspec
 from anyio.abc import TaskStatus
 
 from supervisor.core.nodehealth import Judgement, Limits, NodeFailure, Quarantine, RoundCause
+from supervisor.core.peers import PeerCheck
 
 if TYPE_CHECKING:
     from supervisor.rendezvous.etcd import EtcdRendezvous
@@ -141,6 +142,13 @@ class Rendezvous(Protocol):
 
     async def restart_count(self) -> int:
         """The job-wide failure restart count (0 for a single node)."""
+        ...
+
+    async def check_peers(self, result: RendezvousResult, within: float) -> PeerCheck:
+        """Which other members of round ``result`` are confirmed gone (``core.peers``), in
+        at most ``within`` seconds; never raises (what it cannot tell is "unsure"). Used
+        when a local rank fails: a failure that came from a lost peer is a membership
+        change."""
         ...
 
     async def exit_barrier(self, result: RendezvousResult, timeout: float) -> BarrierResult:

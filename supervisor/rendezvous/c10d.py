@@ -50,6 +50,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from supervisor.core.nodehealth import Limits
+from supervisor.core.peers import PeerCheck
 from supervisor.rendezvous.base import (
     BarrierResult,
     Capabilities,
@@ -655,6 +656,11 @@ class C10dRendezvous:
 
     def node_ledger(self, limits: Limits) -> NodeLedger:
         return self.inner.node_ledger(limits)
+
+    async def check_peers(self, result: RendezvousResult, within: float) -> PeerCheck:
+        """As the etcd backend's (the host's etcd may be gone with it: then the health
+        endpoints alone tell)."""
+        return await self.inner.check_peers(result, within)
 
     async def serve_until_job_ends(self) -> None:
         """As host: until the job is over for everyone (a host that quarantined itself

@@ -35,6 +35,7 @@ from anyio.abc import TaskStatus
 
 from supervisor.core.nodehealth import Limits
 from supervisor.core.partition import standing_since
+from supervisor.core.peers import PeerCheck
 from supervisor.rendezvous.base import (
     BarrierResult,
     Capabilities,
@@ -68,6 +69,7 @@ from supervisor.rendezvous.etcd_cutoff import CutoffCheck
 from supervisor.rendezvous.etcd_health import EtcdNodeLedger
 from supervisor.rendezvous.etcd_leader import Leader
 from supervisor.rendezvous.etcd_lease import LeaseKeeper, PausableDeadline
+from supervisor.rendezvous.etcd_peers import check_peers
 from supervisor.rendezvous.etcd_state import (
     ROOT,
     Keys,
@@ -893,6 +895,11 @@ class EtcdRendezvous:
         """This node's health facts in the job's etcd (``etcd_health``)."""
         return EtcdNodeLedger(self._client, self._keys.prefix, self.config.health_id,
                               self.node_id, limits, spare=lambda: self._spare)
+
+    async def check_peers(self, result: RendezvousResult, within: float) -> PeerCheck:
+        """The other members' health endpoints and leases (``etcd_peers``)."""
+        return await check_peers(self._client, self._keys, self._cutoff, self.run_id,
+                                 self.node_id, result, within)
 
     async def serve_until_job_ends(self) -> None:
         """Nothing to serve: an external etcd outlives this node."""

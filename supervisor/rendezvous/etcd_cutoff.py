@@ -161,6 +161,34 @@ class CutoffCheck:
         join = decode("nodes/join", key, kv.value, Join) if kv is not None else None
         return peer_health_url(url, join.addr if join is not None else None)
 
+    async def learn_all(self, members: Sequence[str], round_: int) -> None:
+        """Read the health URLs of every one of ``members`` (of round ``round_``) not known
+        yet, for the lost-peer check (``etcd_peers``): two reads in all, the job's status
+        summaries and the round's join keys, each URL kept only if it is on the address
+        the peer joined with (as ``_peer_url``). Unbounded: the caller bounds it; an etcd
+        error leaves them unknown."""
+        wanted = {m for m in members if m != self._node_id and m not in self._urls}
+        if not wanted:
+            return
+        prefix, joins = summary_prefix(self._run_id), Keys(self._run_id).node(round_, "join")
+        try:
+            summaries = await self._client.range(prefix, prefix=True, retry_window=0)
+            joined = await self._client.range(joins, prefix=True, retry_window=0)
+        except EtcdError as exc:
+            logger.debug("cannot read the peers' status summaries: %s", exc)
+            return
+        addrs: dict[str, str] = {}
+        for kv in joined.kvs:
+            join = decode("nodes/join", kv.key, kv.value, Join)
+            if join is not None:
+                addrs[kv.key[len(joins):]] = join.addr
+        for kv in summaries.kvs:
+            node = kv.key[len(prefix):]
+            url = _summary_url(kv.key, kv.value) if node in wanted else None
+            checked = peer_health_url(url, addrs.get(node)) if url is not None else None
+            if checked is not None:
+                self._urls[node] = checked
+
     async def _ask_until_decided(self) -> None:
         round_ = self._round
         peers = peers_to_ask(self._members, self._node_id, PEERS)

@@ -16,6 +16,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from supervisor.core.nodehealth import Limits
+from supervisor.core.peers import PeerCheck
 from supervisor.rendezvous.base import (
     BarrierResult,
     Capabilities,
@@ -121,6 +122,10 @@ class StaticRendezvous:
 
     def node_ledger(self, limits: Limits) -> NodeLedger:
         return LocalNodeLedger(limits)
+
+    async def check_peers(self, result: RendezvousResult, within: float) -> PeerCheck:
+        """Nothing to ask: the static backend knows no peer's health endpoint."""
+        return PeerCheck()
 
     async def serve_until_job_ends(self) -> None:
         return None

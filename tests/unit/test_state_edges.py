@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.core import state as sm
+from supervisor.core.peers import LostPeer
 from supervisor.core.policy import RestartPolicy
 
 E, X = sm.Verdict.EDGE, sm.Verdict.ERROR
@@ -30,19 +31,21 @@ EVENTS: dict[str, sm.Event] = {
     "BackoffElapsed": sm.BackoffElapsed(),
     "BarrierDone": sm.BarrierDone(),
     "NodeQuarantined": sm.NodeQuarantined("node check failed", 1.0),
+    "PeerLost": sm.PeerLost((LostPeer("b", "its health endpoint refused the connection"),),
+                            1.0),
 }
 NAMES = list(EVENTS)
 
 # columns in the order of NAMES
 TABLE: dict[sm.Phase, list[sm.Verdict]] = {
-    #                 RdvC RdvF LnchF Lnchd Ex0 Ex1 NoSt Dead Unh Rem Memb Shut Stop Back Barr Quar
-    sm.Phase.RENDEZVOUS: [E, E, X, X, X, X, X, X, X, E, E, E, X, X, X, E],
-    sm.Phase.STARTING: [X, X, E, E, X, X, X, X, X, X, X, E, X, X, X, X],
-    sm.Phase.RUNNING: [X, X, X, X, E, E, E, E, E, E, E, E, X, X, X, E],
+    #                 RdvC RdvF LnchF Lnchd Ex0 Ex1 NoSt Dead Unh Rem Memb Shut Stop Back Barr Quar Lost
+    sm.Phase.RENDEZVOUS: [E, E, X, X, X, X, X, X, X, E, E, E, X, X, X, E, E],
+    sm.Phase.STARTING: [X, X, E, E, X, X, X, X, X, X, X, E, X, X, X, X, E],
+    sm.Phase.RUNNING: [X, X, X, X, E, E, E, E, E, E, E, E, X, X, X, E, E],
     # a shutdown request queued before the launch's report meets it here: LnchF, Lnchd
-    sm.Phase.STOPPING: [X, X, E, E, E, E, E, E, E, E, E, E, E, X, X, E],
-    sm.Phase.BACKOFF: [X, X, X, X, X, X, X, E, E, E, E, E, X, E, X, E],
-    sm.Phase.EXIT_BARRIER: [X, X, X, X, X, X, X, E, E, E, E, E, X, X, E, E],
+    sm.Phase.STOPPING: [X, X, E, E, E, E, E, E, E, E, E, E, E, X, X, E, E],
+    sm.Phase.BACKOFF: [X, X, X, X, X, X, X, E, E, E, E, E, X, E, X, E, E],
+    sm.Phase.EXIT_BARRIER: [X, X, X, X, X, X, X, E, E, E, E, E, X, X, E, E, E],
     # final: late events are recorded only
     sm.Phase.SUCCEEDED: [E] * len(NAMES),
     sm.Phase.FAILED: [E] * len(NAMES),
