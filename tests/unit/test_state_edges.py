@@ -38,7 +38,7 @@ NAMES = list(EVENTS)
 
 # columns in the order of NAMES
 TABLE: dict[sm.Phase, list[sm.Verdict]] = {
-    #                 RdvC RdvF LnchF Lnchd Ex0 Ex1 NoSt Dead Unh Rem Memb Shut Stop Back Barr Quar Lost
+    #             RdvC RdvF LnchF Lnchd Ex0 Ex1 NoSt Dead Unh Rem Memb Shut Stop Back Barr Quar Lst
     sm.Phase.RENDEZVOUS: [E, E, X, X, X, X, X, X, X, E, E, E, X, X, X, E, E],
     sm.Phase.STARTING: [X, X, E, E, X, X, X, X, X, X, X, E, X, X, X, X, E],
     sm.Phase.RUNNING: [X, X, X, X, E, E, E, E, E, E, E, E, X, X, X, E, E],

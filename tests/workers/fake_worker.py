@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -43,6 +45,9 @@ def main() -> None:
     p.add_argument("--print-env", default=None,
                    help="print 'env NAME=VALUE ...' for these comma-separated names")
     p.add_argument("--partial", default=None, help="after ready, write this without a newline")
+    p.add_argument("--link", action="store_true",
+                   help="after ready, link to rank 0 over TCP at MASTER_ADDR:MASTER_PORT (a "
+                   "collective's connections), print 'linked RANK', exit 1 when a link breaks")
     p.add_argument("--long-line", type=int, default=0,
                    help="after ready, on SIGUSR1 write N bytes with no newline; exit on the next")
     args, _rest = p.parse_known_args()
@@ -86,16 +91,43 @@ def main() -> None:
         os.write(1, args.partial.encode())
     if args.long_line:
         write_long_line(args.long_line)
+    links = link(rank, int(os.environ.get("WORLD_SIZE", "1"))) if args.link else []
     if args.exit is not None and failing:
         if args.error_message:
             write_error_file(args.error_message)
         sys.exit(args.exit)
+    if args.link:
+        select.select(links, [], [])
+        say(f"link lost {rank}")
+        sys.exit(1)
     for i in range(sys.maxsize if args.chatter else 0):
         say(f"chatter {rank} {i}")
         time.sleep(args.chatter)
     if args.hang or args.ignore_term or args.trap or args.grandchild or args.usr1_exit is not None:
         while True:
             time.sleep(3600)
+
+
+def link(rank: int, world: int) -> list[socket.socket]:
+    """Rank 0 accepts one connection from every other rank; the links once all are made
+    (then a link that breaks, a peer gone, exits 1: a collective's broken connection)."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        server = socket.create_server((addr, port))
+        links = [server.accept()[0] for _ in range(world - 1)]
+    else:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                links = [socket.create_connection((addr, port), timeout=1)]
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)  # rank 0 is not listening yet
+        links[0].settimeout(None)
+    say(f"linked {rank}")
+    return links
 
 
 def write_error_file(message: str) -> None:
