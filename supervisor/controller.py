@@ -349,7 +349,6 @@ class Controller:
                 restart_count=self.state.restart_count,
                 budget_left=self.policy.budget_left(self.state.history, time.monotonic()),
             )
-            logger.warning("restarting the worker group: %s", decision.reason)
         else:
             self.events.emit("prepare_retry_scheduled", delay=round(decision.delay, 6),
                              reason=decision.reason)
@@ -359,8 +358,11 @@ class Controller:
             try:  # count it job-wide first, so every node sees the same budget
                 if decision.counted:
                     await self.rendezvous.record_failure_restart(decision.reason)
+                    # said once it is on its way: when the rendezvous is gone (a c10d host
+                    # lost), the next line is the run's end, not a restart that never comes
+                    logger.warning("restarting the worker group: %s", decision.reason)
             except RendezvousError as exc:
-                logger.warning("cannot record the restart job-wide: %s", exc)
+                logger.info("cannot record the restart job-wide: %s", exc)
             await anyio.sleep(decision.delay)
             self._post(sm.BackoffElapsed())
 

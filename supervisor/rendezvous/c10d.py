@@ -207,7 +207,8 @@ def make_c10d_config(*, endpoint: str, run_id: str, nnodes: str, rdzv_conf: str 
     if limit is None:
         limit = _positive("read_timeout", own["read_timeout"]) if "read_timeout" in own \
             else float(conf.lease_ttl)
-    etcd = replace(conf, outage_limit=limit)
+    etcd = replace(conf, outage_limit=limit,
+                   service=f"the rendezvous host {_bracket(host)}:{port}")
     _check_tls(etcd)
     close = _positive("close_timeout", own["close_timeout"]) if "close_timeout" in own else 30.0
     is_host = _boolean("is_host", own["is_host"]) if "is_host" in own else None
@@ -601,9 +602,11 @@ class C10dRendezvous:
             if await self._host_answers():
                 raise
             where = "this node's" if self.server is not None else "the"
+            # the cause is the host, said once: the client's error would repeat the outage line
+            logger.debug("the rendezvous host does not answer: %s", exc)
             raise RendezvousError(
-                f"{what} {where} c10d rendezvous host {self.config.endpoint} (nothing answers "
-                f"there; outage_limit {self.config.etcd.outage_limit:g}s): {exc}") from exc
+                f"{what} {where} c10d rendezvous host {self.config.endpoint}: nothing answers "
+                f"there (outage_limit {self.config.etcd.outage_limit:g}s)") from exc
 
     async def _host_answers(self) -> bool:
         try:

@@ -131,8 +131,9 @@ class EtcdRendezvous:
                                   tls=config.tls, user=config.user, password=config.password,
                                   retry_window=config.outage_limit,
                                   on_reachability=self._on_reachability,
-                                  hedge_after=hedge_delay(timeout))
-        self._lease = LeaseKeeper(self._client, config.lease_ttl, self._lease_replaced)
+                                  hedge_after=hedge_delay(timeout), service=config.service)
+        self._lease = LeaseKeeper(self._client, config.lease_ttl, self._lease_replaced,
+                                  service=config.service)
         self._leader = Leader(self._client, self._keys, self._policy, self._lease,
                               config.node_id)
         self._cutoff = CutoffCheck(self._client, config.run_id, config.node_id,
@@ -311,7 +312,7 @@ class EtcdRendezvous:
                     tg.start_soon(self.notices.tell, round_)
                 with anyio.move_on_after(self.config.request_timeout):
                     await self._lease.revoke()
-            logger.info("left etcd rendezvous %s as %s", self.run_id, self.node_id)
+            logger.info("left %s %s as %s", self.config.label, self.run_id, self.node_id)
 
     async def aclose(self) -> None:
         """Leave (if not done yet) and close connections. Idempotent."""
@@ -351,7 +352,7 @@ class EtcdRendezvous:
                 self._report_unreachable(self._connecting, r.cause)
             return
         if reachable:
-            logger.warning("etcd reachable again after %.1fs", r.last_outage)
+            logger.warning("%s reachable again after %.1fs", self.config.service, r.last_outage)
             self._cutoff.outage_ended()
             for deadline in self._deadlines:
                 if not self._spare:  # a spare's join_timeout stays paused
@@ -359,7 +360,8 @@ class EtcdRendezvous:
             self._emit("etcd_reachable", outage=round(r.last_outage, 3), outages=r.outages)
             return
         limit = self.config.outage_limit
-        logger.warning("etcd unreachable (%s); the workers run on, waiting for etcd %s", r.cause,
+        logger.warning("%s unreachable (%s); the workers run on, waiting for it %s",
+                       self.config.service, r.cause,
                        "for as long as it takes" if limit is None else f"for up to {limit:g}s")
         for deadline in self._deadlines:
             deadline.pause()
@@ -381,7 +383,7 @@ class EtcdRendezvous:
         """The cut-off rule says this node is out of the job (``core.partition``): its
         round is over; its workers stop and it joins the next round when etcd answers."""
         self._cut_off_reason = reason
-        logger.warning("etcd rendezvous: %s", reason)
+        logger.warning("%s: %s", self.config.label, reason)
         self._emit("etcd_cut_off", reason=reason)
         self._notify_ctl()
 
@@ -392,7 +394,7 @@ class EtcdRendezvous:
             return  # this node moved on meanwhile, or etcd told it first
         reason = (f"node(s) lost: {node} (it left round {round_} and told this node "
                   "directly; etcd has not committed it yet)")
-        logger.warning("etcd rendezvous: %s", reason)
+        logger.warning("%s: %s", self.config.label, reason)
         self._emit("peer_left_told", node=node, round=round_)
         self._told_left = (round_, reason)
         self._notify_ctl()
@@ -456,7 +458,7 @@ class EtcdRendezvous:
             self._evicted_reason = (f"its join key of round {self._last_round} could not be "
                                     "restored after the etcd outage: the job went on without it")
             self._joined = -1
-            logger.warning("etcd rendezvous: this node is no longer a member: %s",
+            logger.warning("%s: this node is no longer a member: %s", self.config.label,
                            self._evicted_reason)
             self._notify_ctl()
 
@@ -566,9 +568,10 @@ class EtcdRendezvous:
                                   f"{self.config.join_timeout:g}s: {await self._describe()}")
         with anyio.move_on_after(PEER_LEARNING_BOUND):  # a few reads; never delays a round long
             await self._cutoff.learn_peers()
-        logger.info("etcd rendezvous round %d complete in %.3fs: group rank %d of %d, "
-                    "master %s:%d", result.round, result.duration, result.group_rank,
-                    result.group_world_size, result.master_addr, result.master_port)
+        logger.info("%s round %d complete in %.3fs: group rank %d of %d, "
+                    "master %s:%d", self.config.label, result.round, result.duration,
+                    result.group_rank, result.group_world_size, result.master_addr,
+                    result.master_port)
         return result
 
     async def _arrive(self, lws: int) -> None:
@@ -585,7 +588,7 @@ class EtcdRendezvous:
         if verdict is not None and verdict.fatal:
             raise RendezvousClosed(f"etcd rendezvous: {verdict.line}")
         if verdict is not None:
-            logger.warning("etcd rendezvous: %s", verdict.line)
+            logger.warning("%s: %s", self.config.label, verdict.line)
         if state.kv(key) is None:
             value = shape_value(self.config.min_nodes, self.config.max_nodes, lws)
             await self._write([compare(key, "VERSION", "=", 0)], [put_op(key, value)])
@@ -626,7 +629,7 @@ class EtcdRendezvous:
             what, clock.started_wall, clock.waited(now),
             joined=None if running else await self._joined_count(n),
             needed=self.config.min_nodes, max_nodes=self.config.max_nodes)
-        logger.log(logging.DEBUG if first else logging.INFO, "etcd rendezvous %s: %s",
+        logger.log(logging.DEBUG if first else logging.INFO, "%s %s: %s", self.config.label,
                    self.run_id, self.waiting.line())
         self._emit("rendezvous_waiting", **self.waiting.as_status())
 
@@ -719,7 +722,7 @@ class EtcdRendezvous:
             elif self._client.reachability.unreachable_since is None:
                 deadline.resume()
         if spare:
-            logger.info("etcd rendezvous: waiting as a spare (%s)", self._progress)
+            logger.info("%s: waiting as a spare (%s)", self.config.label, self._progress)
             self._emit("spare_waiting", **fields)
         else:
             self._emit("spare_joining")
@@ -733,7 +736,7 @@ class EtcdRendezvous:
         """Open round n+1 (if nobody did yet) and forget round n-1."""
         ok = await self._write(*advance_txn(state, reason, self.node_id))
         if ok:
-            logger.info("etcd rendezvous: opened round %d%s", n + 1,
+            logger.info("%s: opened round %d%s", self.config.label, n + 1,
                         f" ({reason})" if reason else "")
         return ok
 
@@ -766,7 +769,7 @@ class EtcdRendezvous:
                     seen = self._ctl.version
                     reason = self._membership_change(self._state(), result)
                     if reason is not None:
-                        logger.info("etcd rendezvous round %d outdated: %s", result.round,
+                        logger.info("%s round %d outdated: %s", self.config.label, result.round,
                                     reason)
                         return reason
                     await self._wait(seen)
@@ -889,7 +892,7 @@ class EtcdRendezvous:
             if scope.cancelled_caught:
                 raise RendezvousError(f"etcd rendezvous: closing the job failed: etcd did "
                                       f"not answer within {self.config.lease_ttl}s")
-        logger.error("etcd rendezvous %s closed as failed: %s", self.run_id, message)
+        logger.error("%s %s closed as failed: %s", self.config.label, self.run_id, message)
 
     def node_ledger(self, limits: Limits) -> NodeLedger:
         """This node's health facts in the job's etcd (``etcd_health``)."""
@@ -940,7 +943,7 @@ class EtcdRendezvous:
             except (EtcdError, RendezvousError) as exc:
                 if self._lease.given_up.is_set() or self._closed.is_set():
                     return
-                logger.warning("etcd rendezvous leader duty failed, retrying: %s", exc)
+                logger.warning("%s leader duty failed, retrying: %s", self.config.label, exc)
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 2.0)
 

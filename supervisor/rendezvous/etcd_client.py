@@ -25,6 +25,7 @@ import supervisor.lean  # noqa: F401  -- before the first aiohttp import
 # isort: split
 import base64
 import logging
+import os
 import ssl
 import time
 from collections import Counter
@@ -283,8 +284,17 @@ def _raise_for_error(data: JsonDict) -> None:
     raise EtcdError(message, code)
 
 
+MAX_CAUSE = 200  # characters of one attempt's error kept in messages
+
+
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    """One attempt's error, short: a refused or unreachable connection in the kernel's
+    words (aiohttp's own text repeats the address and more), anything else bounded."""
+    code = exc.os_error.errno if isinstance(exc, aiohttp.ClientConnectorError) else None
+    if type(exc) is aiohttp.ClientConnectorError and code is not None and code > 0:
+        return os.strerror(code).lower()  # not a name that did not resolve (waitreport)
+    text = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    return text if len(text) <= MAX_CAUSE else text[:MAX_CAUSE - 3] + "..."
 
 
 class EtcdClient:
@@ -305,6 +315,7 @@ class EtcdClient:
         retry_window: float | None = 0.0,
         on_reachability: ReachabilityHook | None = None,
         hedge_after: float | None = None,
+        service: str = "etcd",
     ) -> None:
         if not endpoints:
             raise ValueError("at least one etcd endpoint is required")
@@ -312,6 +323,7 @@ class EtcdClient:
         self.timeout = timeout
         self.retry_window = retry_window
         self.hedge_after = hedge_after
+        self.service = service  # what its errors call the server (c10d: the rendezvous host)
         self.stats = EtcdStats()
         self.reachability = Reachability()
         self.on_reachability = on_reachability
@@ -477,8 +489,9 @@ class EtcdClient:
             if remaining <= 0:
                 age = self.reachability.outage_age(time.monotonic())
                 waited = f" for {age:.1f}s" if window else ""
-                raise EtcdUnavailable(
-                    f"no etcd endpoint answered {path}{waited} ({'; '.join(failures)})")
+                who = ("no etcd endpoint answered" if self.service == "etcd"
+                       else f"{self.service} did not answer")
+                raise EtcdUnavailable(f"{who} {path}{waited} ({'; '.join(failures)})")
             await anyio.sleep(min(delay, remaining))  # all failed: back off, then a new pass
             delay = min(delay * 2, 1.0)
 

@@ -52,6 +52,14 @@ class EtcdRendezvousConfig:
     tls: TlsFiles | None = None
     user: str | None = None
     password: str | None = field(default=None, repr=False)
+    # what messages call the service: "etcd" as the user configured it, or for c10d "the
+    # rendezvous host HOST:PORT" (a c10d user never set up an etcd)
+    service: str = "etcd"
+
+    @property
+    def label(self) -> str:
+        """The prefix of the rendezvous' log lines ("etcd rendezvous", or "rendezvous")."""
+        return "etcd rendezvous" if self.service == "etcd" else "rendezvous"
 
     def __post_init__(self) -> None:
         if not self.health_id:

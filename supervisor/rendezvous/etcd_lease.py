@@ -42,8 +42,10 @@ ExpiredHook = Callable[[bool], Awaitable[None]]  # (lost across an outage?) -> r
 class LeaseKeeper:
     """This agent's lease: ``id`` changes when an expired lease is replaced."""
 
-    def __init__(self, client: EtcdClient, ttl: int, on_expired: ExpiredHook) -> None:
+    def __init__(self, client: EtcdClient, ttl: int, on_expired: ExpiredHook, *,
+                 service: str = "etcd") -> None:
         self._client = client
+        self._service = service  # what messages call etcd (c10d: the rendezvous host)
         self.id = 0
         self.ttl = ttl
         self.generation = 0  # leases granted so far
@@ -136,8 +138,10 @@ class LeaseKeeper:
             return
         limit = self._client.retry_window
         bound = "none" if limit is None else f"{limit:g}s"
-        self.given_up_reason = f"etcd unreachable for longer than outage_limit ({bound}): {exc}"
-        logger.error("rendezvous gives up: %s", self.given_up_reason)
+        self.given_up_reason = (f"{self._service} unreachable for longer than outage_limit "
+                                f"({bound}): {exc}")
+        # not an error line of its own: the rendezvous raises it, and the run ends saying so
+        logger.info("rendezvous gives up: %s", self.given_up_reason)
         self.given_up.set()
 
     async def revoke(self) -> None:

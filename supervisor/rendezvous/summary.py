@@ -162,7 +162,10 @@ class SummaryPublisher:
         try:
             await self.client.put(self.key, value, lease=lease)
         except EtcdError as exc:
-            logger.warning("cannot publish this node's status summary in etcd: %s", exc)
+            # during an outage the rendezvous has said so once already: one line per error
+            outage = self.client.reachability.unreachable_since is not None
+            logger.log(logging.DEBUG if outage else logging.WARNING,
+                       "cannot publish this node's status summary: %s", exc)
             await anyio.sleep(RETRY_INTERVAL)
             return False
         self._written = (value, lease)

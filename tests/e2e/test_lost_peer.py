@@ -144,12 +144,13 @@ class C10dNodes:
         self.endpoint = f"localhost:{free_port()}"
         self.nodes: list[Node] = []
 
-    async def start(self, nnodes: str, worker: Sequence[str], conf: str = "") -> Node:
+    async def start(self, nnodes: str, worker: Sequence[str], conf: str = "",
+                    health: Sequence[str] = ("--health-port", "0")) -> Node:
         log_dir = self.root / f"node{len(self.nodes)}"
         args = [f"--nnodes={nnodes}", f"--nproc-per-node={LOCAL}", f"--rdzv-id={self.run_id}",
                 "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
                 "--rdzv-conf", f"last_call_timeout=0.5,lease_ttl=2{conf}",
-                "--health-port", "0", "--log-dir", str(log_dir), "--shutdown-timeout", "5",
+                *health, "--log-dir", str(log_dir), "--shutdown-timeout", "5",
                 *BUDGET, FAKE_WORKER, "--print-env", SHOWN, *worker]
         spawned = time.monotonic()
         sup = await self.stack.enter_async_context(supervisor(args))
@@ -190,3 +191,33 @@ async def test_c10d_a_killed_client_node_costs_the_host_no_restart(tmp_path: Pat
         await assert_lost_without_budget(host, lost)
         await stop_all([host])
 
+
+
+@pytest.mark.parametrize("seen", ["seen", "unseen"])
+async def test_c10d_the_hosts_death_ends_the_job_in_a_few_clear_lines(tmp_path: Path,
+                                                                      seen: str) -> None:
+    """Issue 53, item 5: the survivor says once that the rendezvous host is gone, never
+    that it restarts, in short lines that do not speak of an etcd the user never set up;
+    also when the lost-peer check cannot see the host go (it serves no health endpoint:
+    the failure is then accounted as a failure, whose restart never comes)."""
+    health = ("--health-port", "0") if seen == "seen" else ("--no-health",)
+    async with c10d_nodes(tmp_path) as job:
+        host = await job.start("2", LINKED, conf=",read_timeout=2", health=health)
+        other = await job.start("2", LINKED, conf=",read_timeout=2")
+        groups = [await node.group(2 * LOCAL, timeout=30) for node in (host, other)]
+        assert_one_group(groups, 2)
+        await linked([host, other])
+        host.sup.signal(signal.SIGKILL)
+        code = await other.sup.wait(timeout=60)
+        assert code not in (0, None)
+        # "TIME LEVEL logger: message": the messages (the job's own, not the c10d warning
+        # about authentication it logged at the start)
+        lines = [ln.split(": ", 1)[1] for ln in other.sup.err.lines
+                 if (" WARNING " in ln or " ERROR " in ln) and "authentication" not in ln]
+        assert not [ln for ln in lines if "restarting the worker group" in ln], lines
+        assert len(set(lines)) == len(lines), lines
+        assert all(len(ln) <= 300 for ln in lines), lines
+        assert not [ln for ln in lines if "etcd" in ln.lower()], lines
+        assert len(lines) <= 7, lines  # the outage, the failure, the loss, its cost, the end
+        assert any(f"rendezvous host {job.endpoint}" in ln for ln in lines), lines
+        assert bool(other.events("peer_lost")) == (seen == "seen")
