@@ -72,6 +72,7 @@ class GoodputRecorder:
         self._clock = clock
         self._wall = wall
         self._changed = anyio.Event()
+        self._suggested = False  # the line on how to give a progress signal was logged
         progress.listeners.append(self.on_progress)
 
     def ledger(self) -> Ledger:
@@ -101,8 +102,10 @@ class GoodputRecorder:
         acc = self.accountant
         now = self._clock()
         closed: list[Recovery] = []
+        acc.counted(new.restart_count)
         if isinstance(event, sm.GroupLaunched):
             closed += acc.launched(self.shown(event.attempt), event.local_ranks, event.at)
+            self._suggest_a_signal()
         elif isinstance(event, sm.GroupStopped):
             acc.stopped(event.at)
         if old.phase is sm.Phase.RUNNING and new.phase is sm.Phase.STOPPING:
@@ -122,6 +125,18 @@ class GoodputRecorder:
         if new.phase.final:
             closed += acc.finished(now)
         self._report(closed)
+
+    def _suggest_a_signal(self) -> None:
+        """Once, at the first relaunch after a failure of a run where no rank has shown
+        progress: how to give the supervisor a progress signal."""
+        ledger = self.accountant.ledger()
+        if self._suggested or ledger.seen or ledger.failures == 0:
+            return
+        self._suggested = True
+        logger.warning("no rank has a progress signal, so what this restart costs, goodput "
+                       "and readiness cannot be known: give --progress-pattern REGEX (a line "
+                       "the script prints every step), post deadlines (FileTimerClient), or "
+                       "save snapshots (supervisor.snapshot.save, docs/snapshots.md)")
 
     def on_launch(self, attempt: object) -> None:
         """Observer hook; the launch is taken from its GroupLaunched event."""
@@ -158,9 +173,9 @@ class GoodputRecorder:
                              **doc)
             if record.outcome is Outcome.UNKNOWN:
                 logger.info("failure %d (%s, attempt %d): relaunched; lost unknown (no "
-                            "progress signal: --progress-pattern or deadline posts give one), "
-                            "at least %.3f s until the relaunch", record.number, record.cause,
-                            record.attempt, record.lost_at_least or 0.0)
+                            "progress signal), at least %.3f s until the relaunch",
+                            record.number, record.cause, record.attempt,
+                            record.lost_at_least or 0.0)
             else:
                 level = logging.INFO if record.outcome is Outcome.RECOVERED else logging.WARNING
                 logger.log(level, "failure %d (%s, attempt %d): %s after %.3f s lost",
@@ -178,16 +193,20 @@ class GoodputRecorder:
     def summary_line(self) -> str:
         """The end-of-job line: wall, productive, lost by cause, ratio."""
         t = totals(self.ledger(), self._clock())
+        counts = f"{t.failures} failure(s), {t.restarts} restart(s)"
+        if not t.seen:  # no signal: nothing says when (or whether) work was done
+            return (f"goodput: wall {t.wall:.1f}s, idle {t.idle:.1f}s, {counts}; start-up, "
+                    "productive and lost time unknown, effective training time unknown (no "
+                    "rank had a progress signal: see --progress-pattern)")
         causes = ", ".join(f"{k} {v:.1f}s" for k, v in t.lost_by_cause.items() if v > 0)
         ratio = "-" if t.ratio is None else f"{100 * t.ratio:.1f}%"
-        if t.unknown > 0:
-            ratio = "unknown (no rank had a progress signal: see --progress-pattern)"
+        if t.unknown > 0:  # a signal came late: the time before it is not seen
+            ratio = "unknown (no rank had a progress signal for part of the run)"
         unknown = f", unknown {t.unknown:.1f}s" if t.unknown > 0 else ""
         return (
             f"goodput: wall {t.wall:.1f}s, start-up {t.startup:.1f}s, productive "
             f"{t.productive:.1f}s, lost {t.lost:.1f}s ({causes or 'none'}), idle "
-            f"{t.idle:.1f}s{unknown}, {t.failures} failure(s), {t.restarts} restart(s), "
-            f"effective training time {ratio}"
+            f"{t.idle:.1f}s{unknown}, {counts}, effective training time {ratio}"
         )
 
     # ------------------------------------------------------------------ the bound

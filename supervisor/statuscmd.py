@@ -232,7 +232,7 @@ def format_job(run_id: str, rows: Sequence[dict[str, Any]], now_wall: float) -> 
         g = goodput_now(row, now_wall)
         share = None if g is None else g["ratio"]
         ratio = ("-" if g is None else "unknown" if share is None else f"{100 * share:.1f}%")
-        lost = "-" if g is None else _duration(g["lost"])
+        lost = "-" if g is None else _duration(g["lost"] if g["seen"] else "unknown")
         table.append(tuple(_cell(text) for text in (
             str(row.get("node_id")), _dash(row.get("node_rank")), str(row.get("host")),
             str(row.get("state")), _dash(row.get("attempt")),
@@ -342,16 +342,21 @@ def _goodput_lines(goodput: object) -> list[str]:
         return []
     ratio = goodput.get("ratio")
     unknown = goodput.get("unknown")
+    counts = f"{goodput.get('failures')} failure(s), {goodput.get('restarts')} restart(s)"
+    if goodput.get("productive") == "unknown":  # no rank has shown progress yet
+        return [f"goodput     unknown (no progress signal: see --progress-pattern) over "
+                f"{_duration(goodput.get('wall'))} wall, idle {_duration(goodput.get('idle'))}"
+                f"; {counts}"]
     seen = not (isinstance(unknown, int | float) and unknown > 0)
-    shown = ("unknown" if not seen else "-" if not isinstance(ratio, int | float)
-             else f"{100 * ratio:.1f}%")
+    shown = ("unknown" if not seen or ratio == "unknown" else "-"
+             if not isinstance(ratio, int | float) else f"{100 * ratio:.1f}%")
     lines = [
         f"goodput     {shown}"
         f" productive of {_duration(goodput.get('wall'))} wall: start-up "
         f"{_duration(goodput.get('startup'))}, productive {_duration(goodput.get('productive'))}"
         f", lost {_duration(goodput.get('lost'))}, idle {_duration(goodput.get('idle'))}"
         + ("" if seen else f", unknown {_duration(unknown)} (no progress signal)")
-        + f"; {goodput.get('failures')} failure(s), {goodput.get('restarts')} restart(s)",
+        + f"; {counts}",
     ]
     by_cause = goodput.get("lost_by_cause")
     lost = {k: v for k, v in by_cause.items() if v} if isinstance(by_cause, dict) else {}

@@ -128,12 +128,13 @@ class Ledger(msgspec.Struct, frozen=True):
     lost: tuple[tuple[str, float], ...] = ()
     ended_at: float | None = None
     failures: int = 0
-    restarts: int = 0
+    restarts: int = 0  # failure restarts counted (the state machine's: /status's "used")
     attempt: int = 0
     launched_at: float | None = None  # of the current attempt
     awaiting: tuple[int, ...] = ()  # awaited ranks of the current attempt not yet seen
     signals: tuple[tuple[int, str], ...] = ()  # local rank -> SIGNAL_*
     last: Recovery | None = None  # the latest failure record, open or closed
+    seen: bool = False  # some rank showed progress in this run: the figures can be known
 
 
 class Totals(msgspec.Struct, frozen=True):
@@ -148,12 +149,19 @@ class Totals(msgspec.Struct, frozen=True):
     failures: int
     restarts: int
     unknown: float = 0.0
+    seen: bool = True  # some rank showed progress: else start-up, productive and lost
+    # time and the ratio cannot be known (nothing says when, or whether, work was done)
+
+    @property
+    def known(self) -> bool:
+        """Whether the time figures (start-up, productive, lost, ratio) can be known."""
+        return self.seen and self.unknown == 0
 
     @property
     def ratio(self) -> float | None:
         """Effective training time ratio: productive / wall (None before any time passed,
-        or when some of it is unknown: no rank had a progress signal)."""
-        return self.productive / self.wall if self.wall > 0 and self.unknown == 0 else None
+        or when it cannot be known: no rank had a progress signal)."""
+        return self.productive / self.wall if self.wall > 0 and self.known else None
 
 
 def totals(ledger: Ledger, now: float) -> Totals:
@@ -181,6 +189,7 @@ def totals(ledger: Ledger, now: float) -> Totals:
         failures=ledger.failures,
         restarts=ledger.restarts,
         unknown=sums[Kind.UNKNOWN],
+        seen=ledger.seen,
     )
 
 
@@ -204,7 +213,7 @@ class Accountant:
         self._open: Recovery | None = None
         self._last: Recovery | None = None
         self._failures = 0
-        self._launches = 0
+        self._restarts = 0  # failure restarts counted by the state machine (``counted``)
         # the current attempt
         self._attempt = 0
         self._launched_at: float | None = None
@@ -219,7 +228,6 @@ class Accountant:
         """A worker group was launched with these local ranks."""
         if self._ended is not None:
             return []
-        self._launches += 1
         if self._open is not None:
             self._open = msgspec.structs.replace(self._open, launched_at=at)
             self._last = self._open
@@ -291,6 +299,11 @@ class Accountant:
         if self._kind is Kind.LOST:
             self._cause = cause
 
+    def counted(self, restarts: int) -> None:
+        """The failure restarts used so far (the state machine's count, which ``/status``
+        shows as used): the one restart figure everywhere."""
+        self._restarts = restarts
+
     def stopped(self, at: float) -> None:
         """The group is stopped (every worker gone)."""
         self._running = self._waiting = False
@@ -346,11 +359,12 @@ class Accountant:
             idle=self._sums[Kind.IDLE], unknown=self._sums[Kind.UNKNOWN],
             lost=tuple(self._lost.items()),
             ended_at=self._ended, failures=self._failures,
-            restarts=max(0, self._launches - 1), attempt=self._attempt,
+            restarts=self._restarts, attempt=self._attempt,
             launched_at=self._launched_at,
             awaiting=tuple(sorted(self._awaited - self._first.keys())) if waiting else (),
             signals=tuple(sorted((r, self.signal_of(r)) for r in self._ranks)),
             last=self._last,
+            seen=SIGNAL_YES in self._signals.values(),
         )
 
     # ------------------------------------------------------------------ internals

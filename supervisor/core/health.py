@@ -113,6 +113,10 @@ def readiness(
     if waiting:
         ranks = ", ".join(str(r) for r in waiting)
         return Verdict(False, f"waiting for progress from local rank(s) {ranks}")
+    if snapshot.ready_when == "progress" and not shown and not expected:
+        # nothing to wait for can tell when it trains: ready means launched, said so
+        return Verdict(True, "running (no rank has shown progress: ready at launch; "
+                             "--progress-pattern gives a progress signal)")
     return Verdict(True, "running")
 
 
@@ -264,15 +268,18 @@ def goodput_json(
     if ledger is None:
         return None
     t = totals(ledger, now_mono)
+    # no rank has shown progress: nothing says when (or whether) work was done
+    seen: Any = (lambda value: value) if t.seen else (lambda value: UNKNOWN)
+    ratio = None if t.ratio is None else round(t.ratio, 4)
     return {
         "wall": _round(t.wall),
-        "startup": _round(t.startup),
-        "productive": _round(t.productive),
-        "lost": _round(t.lost),
-        "lost_by_cause": {k: _round(v) for k, v in t.lost_by_cause.items()},
+        "startup": seen(_round(t.startup)),
+        "productive": seen(_round(t.productive)),
+        "lost": seen(_round(t.lost)),
+        "lost_by_cause": seen({k: _round(v) for k, v in t.lost_by_cause.items()}),
         "idle": _round(t.idle),
         "unknown": _round(t.unknown),
-        "ratio": None if t.ratio is None else round(t.ratio, 4),
+        "ratio": UNKNOWN if ratio is None and not t.known else ratio,
         "failures": t.failures,
         "restarts": t.restarts,
         "segment": ledger.kind.value,

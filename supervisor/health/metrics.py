@@ -19,7 +19,6 @@ test process, and the global registry would mix them.
 from __future__ import annotations
 
 import gc
-import math
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
@@ -492,7 +491,7 @@ class GoodputCollector(Collector):
         self._now = now_mono
 
     def describe(self) -> Iterator[Metric]:
-        return iter(self._families(None, 0.0))
+        return iter(self._families(None, 0.0, every=True))
 
     def collect(self) -> Iterator[Metric]:
         families = self._families(self._ledger, self._now)
@@ -507,8 +506,13 @@ class GoodputCollector(Collector):
         return iter(families)
 
     @staticmethod
-    def _families(ledger: Ledger | None, now: float) -> list[Metric]:
+    def _families(ledger: Ledger | None, now: float, *, every: bool = False) -> list[Metric]:
+        """The families to export; a figure that cannot be known is absent (not 0): until
+        some rank shows progress, start-up, productive and lost time, and the ratio while
+        any time is unknown. ``every``: all of them (their descriptions)."""
         t = totals(ledger, now) if ledger is not None else None
+        seen = every or (t is not None and t.seen)
+        known = every or (t is not None and t.known)
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             return CounterMetricFamily(f"{NAMESPACE}_{name}", doc, value=value)
@@ -519,26 +523,29 @@ class GoodputCollector(Collector):
         )
         for cause in CAUSES:
             lost.add_metric((cause,), t.lost_by_cause.get(cause, 0.0) if t else 0.0)
-        # NaN when some time is unknown (no rank had a progress signal): no made-up figure
-        value = (math.nan if t.unknown > 0 else t.ratio or 0.0) if t else 0.0
         ratio = GaugeMetricFamily(
             f"{NAMESPACE}_goodput_ratio", "Effective training time ratio: productive / wall.",
-            value=value,
+            value=(t.ratio or 0.0) if t else 0.0,
         )
-        return [
-            counter("productive_seconds", "Wall time with every awaited rank progressing.",
-                    t.productive if t else 0.0),
-            counter("startup_seconds", "Wall time before the first attempt's progress.",
-                    t.startup if t else 0.0),
+        families: list[Metric] = [
             counter("idle_seconds", "Wall time neither productive nor lost (exit barrier, "
                     "shutdown).", t.idle if t else 0.0),
             counter("wall_seconds", "Wall time accounted since the supervisor started.",
                     t.wall if t else 0.0),
             counter("unknown_seconds", "Wall time after a launch while no rank had a "
                     "progress signal (productive or lost: not seen).", t.unknown if t else 0.0),
-            lost,
-            ratio,
         ]
+        if seen:
+            families[:0] = [
+                counter("productive_seconds", "Wall time with every awaited rank progressing.",
+                        t.productive if t else 0.0),
+                counter("startup_seconds", "Wall time before the first attempt's progress.",
+                        t.startup if t else 0.0),
+            ]
+            families.append(lost)
+        if known:
+            families.append(ratio)
+        return families
 
 
 def _exit_outcome(old: sm.State, event: sm.WorkerExited | sm.WorkerFailedToStart) -> str:

@@ -84,6 +84,7 @@ def _goodput(ledger: Ledger | None, mono_to_wall: float) -> dict[str, Any] | Non
         "idle": round(closed.idle, 3),
         "unknown": round(closed.unknown, 3),
         "failures": ledger.failures,
+        "seen": ledger.seen,  # some rank showed progress: else the figures are unknown
         "segment": ledger.kind.value,
         "cause": ledger.cause,
         "since": round(ledger.since + mono_to_wall, 3),  # wall clock
@@ -112,8 +113,10 @@ def goodput_now(summary: dict[str, Any], now_wall: float) -> dict[str, float | N
         wall = max(0.0, end - float(g["started"]))
     except (KeyError, TypeError, ValueError):
         return None
-    result: dict[str, float | None] = {**figures, "lost": sum(lost.values()), "wall": wall}
-    result["ratio"] = (None if figures["unknown"] > 0 else  # part of the time was not seen
+    seen = g.get("seen") is not False  # absent: a summary written before it was kept
+    result: dict[str, float | None] = {**figures, "lost": sum(lost.values()), "wall": wall,
+                                       "seen": float(seen)}
+    result["ratio"] = (None if figures["unknown"] > 0 or not seen else  # time not seen
                        figures["productive"] / wall if wall > 0 else 0.0)
     return result
 

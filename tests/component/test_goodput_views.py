@@ -101,6 +101,7 @@ def test_status_document_has_goodput_and_readiness() -> None:
     acc.progress(1, 1, 3.0)
     acc.failed("exit_code", 8.0, local_rank=1)
     acc.stopped(8.5)
+    acc.counted(1)  # the state machine's count: /status's "used"
     acc.launched(2, (0, 1), 9.0)
     snap = snapshot(ledger=acc.ledger())
     doc = health.status_document(snap, {}, 10.0, now_wall=1000.0, shown={0},
@@ -120,6 +121,24 @@ def test_status_document_has_goodput_and_readiness() -> None:
     assert "last loss   failure 1 (exit_code, attempt 1): open" in text
 
 
+def test_without_a_progress_signal_status_says_unknown_not_zero() -> None:
+    """Issue 53: `status` said "goodput 0.0% productive" while the job trained."""
+    acc = Accountant(0.0, 60.0)
+    acc.launched(1, (0, 1), 1.0)
+    acc.failed("exit_code", 8.0, local_rank=1)
+    acc.stopped(8.5)
+    acc.counted(1)
+    doc = health.status_document(snapshot(ledger=acc.ledger()), {}, 10.0, now_wall=1000.0)
+    g = doc["goodput"]
+    assert {g[k] for k in ("startup", "productive", "lost", "lost_by_cause", "ratio")} == {
+        "unknown"}
+    assert g["wall"] == 10.0 and g["restarts"] == 1 and g["failures"] == 1
+    text = format_status(doc)
+    assert "goodput     unknown (no progress signal: see --progress-pattern) over 10.0s wall" \
+        in text and "1 restart(s)" in text
+    assert "0.0%" not in text
+
+
 @asynccontextmanager
 async def served(snap: Snapshot, progress: ProgressTable) -> AsyncIterator[str]:
     async with anyio.create_task_group() as tg:
@@ -130,25 +149,52 @@ async def served(snap: Snapshot, progress: ProgressTable) -> AsyncIterator[str]:
         tg.cancel_scope.cancel()
 
 
-async def test_metrics_have_every_cause_at_zero_and_the_readiness_gauge() -> None:
-    progress = ProgressTable()
-    progress.reset(1)
-    snap = snapshot(ledger=launched_ledger(time.monotonic()))
+async def scrape(snap: Snapshot, progress: ProgressTable) -> tuple[
+        dict[tuple[str, tuple[tuple[str, str], ...]], float], int, str]:
+    """``/metrics`` as samples, and ``/readyz``'s status and body."""
     async with served(snap, progress) as base, aiohttp.ClientSession() as http:
         async with http.get(base + "/metrics") as resp:
             text = await resp.text()
         async with http.get(base + "/readyz") as resp:
-            assert resp.status == 200  # nothing expected yet: ready at launch
+            ready, body = resp.status, await resp.text()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text) for s in family.samples
     }
+    return samples, ready, body
+
+
+async def test_metrics_have_every_cause_at_zero_once_a_rank_progressed() -> None:
+    progress = ProgressTable()
+    progress.reset(1)
+    acc = Accountant(0.0, 60.0)
+    now = time.monotonic()
+    acc.launched(1, (0, 1), now)
+    acc.progress(1, 0, now)
+    samples, ready, _ = await scrape(snapshot(ledger=acc.ledger()), progress)
+    assert ready == 200  # nothing expected yet: ready at launch
     for cause in CAUSES:
         assert samples[("elastic_supervisor_lost_seconds_total", (("cause", cause),))] == 0.0
         assert ("elastic_supervisor_recovery_seconds_count", (("cause", cause),)) in samples
     assert ("elastic_supervisor_productive_seconds_total", ()) in samples
     assert samples[("elastic_supervisor_ready", ())] == 1.0
     assert samples[("elastic_supervisor_awaiting_progress_ranks", ())] == 0.0
+
+
+async def test_without_a_progress_signal_the_figures_are_absent_and_ready_says_why() -> None:
+    """Issue 53: absent, not 0 (a dashboard says "no data", no alert on a job that cannot
+    be measured); /readyz is 200 at launch and its body says that is all it means."""
+    progress = ProgressTable()
+    progress.reset(1)
+    samples, ready, body = await scrape(snapshot(ledger=launched_ledger(time.monotonic())),
+                                        progress)
+    names = {name for name, _ in samples}
+    for absent in ("productive_seconds_total", "startup_seconds_total", "lost_seconds_total",
+                   "goodput_ratio"):
+        assert f"elastic_supervisor_{absent}" not in names, absent
+    assert "elastic_supervisor_wall_seconds_total" in names
+    assert "elastic_supervisor_unknown_seconds_total" in names
+    assert ready == 200 and "no rank has shown progress: ready at launch" in body
 
 
 def test_goodput_counters_never_go_down_when_a_hang_is_accounted_after_the_fact() -> None:

@@ -46,6 +46,7 @@ def test_crash_record_has_every_phase_and_the_lost_time() -> None:
     acc = started()  # productive from 3.0
     assert acc.failed("exit_code", 10.0, local_rank=1) == []
     acc.stopped(10.2)
+    acc.counted(1)  # the state machine counted the restart (/status: 1 used)
     assert acc.launched(2, (0, 1), 10.5) == []
     assert acc.progress(2, 1, 12.0) == []
     (record,) = acc.progress(2, 0, 12.5)
@@ -101,9 +102,11 @@ def test_a_second_failure_before_resumption_closes_the_first_as_failed_again() -
     acc = started()
     acc.failed("exit_code", 10.0, local_rank=0)
     acc.stopped(10.1)
+    acc.counted(1)
     acc.launched(2, (0, 1), 10.2)
     acc.progress(2, 0, 11.0)
     (first,) = acc.failed("signal", 12.0, local_rank=1)
+    acc.counted(2)
     assert first.outcome is Outcome.FAILED_AGAIN
     assert first.resumed_at is None and first.lost == pytest.approx(2.0)
     acc.stopped(12.1)
@@ -254,3 +257,21 @@ def test_unknown_cause_is_accounted_as_other_and_every_cause_has_a_total() -> No
 )
 def test_membership_reasons_map_to_causes(reason: str, cause: str) -> None:
     assert cause_of_membership(reason) == cause
+
+
+def test_without_any_progress_the_figures_are_unknown_and_the_restarts_are_the_budgets() -> None:
+    """Issue 53: a job with no progress signal is not "0 % productive", and the goodput
+    line's restart count is the one /status shows as used (a restart decided and not yet
+    launched counts; a membership change's relaunch does not)."""
+    acc = Accountant(0.0, 5.0)
+    acc.launched(1, (0,), 1.0)
+    acc.failed("exit_code", 3.0, local_rank=0)
+    acc.stopped(3.1)
+    acc.counted(1)  # decided: the relaunch has not happened yet
+    t = totals(acc.ledger(), 4.0)
+    assert not t.seen and not t.known and t.ratio is None
+    assert t.restarts == 1 and t.failures == 1
+    acc.launched(2, (0,), 4.0)
+    acc.progress(2, 0, 5.0)  # a signal at last: figures from here on can be known
+    t = totals(acc.ledger(), 6.0)
+    assert t.seen and t.restarts == 1
