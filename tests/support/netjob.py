@@ -189,9 +189,11 @@ class Job:
         self._run_etcd(member, "existing")
 
     def start_node(self, label: str, *, nnodes: str = "2:3", conf: str = "",
-                   flags: Sequence[str] = (), host: Host | None = None) -> Node:
+                   flags: Sequence[str] = (), host: Host | None = None,
+                   worker: Sequence[str] = ("--hang",)) -> Node:
         """A supervisor in a new namespace ``label``, or in ``host``'s again (a restart on
-        the same node: the same log dir and stderr file)."""
+        the same node: the same log dir and stderr file); ``worker``: the fake worker's
+        flags."""
         host = host or self.lab.host(label)
         log_dir = self.root / label
         endpoints = ",".join(m.endpoint for m in self.members)
@@ -201,7 +203,7 @@ class Job:
                 "--nproc-per-node", "1", "--rdzv-conf", rdzv_conf + (f",{conf}" if conf else ""),
                 "--local-addr", host.addr, "--health-host", host.addr,
                 "--health-port", str(HEALTH_PORT), "--log-dir", str(log_dir),
-                "--shutdown-timeout", "5", *flags, FAKE_WORKER, "--hang"]
+                "--shutdown-timeout", "5", *flags, FAKE_WORKER, *worker]
         env = {**os.environ, "PYTHONPATH": str(self.code)}
         err = open(self.root / f"{label}.stderr", "ab")  # noqa: SIM115 -- the child owns it
         proc = self.lab.spawn(host, argv, cwd=str(self.code), env=env,
