@@ -346,7 +346,7 @@ def _goodput_lines(goodput: object) -> list[str]:
     if goodput.get("productive") == "unknown":  # no rank has shown progress yet
         return [f"goodput     unknown (no progress signal: see --progress-pattern) over "
                 f"{_duration(goodput.get('wall'))} wall, idle {_duration(goodput.get('idle'))}"
-                f"; {counts}"]
+                f"; {counts}", *_last_loss(goodput)]
     seen = not (isinstance(unknown, int | float) and unknown > 0)
     shown = ("unknown" if not seen or ratio == "unknown" else "-"
              if not isinstance(ratio, int | float) else f"{100 * ratio:.1f}%")
@@ -364,6 +364,12 @@ def _goodput_lines(goodput: object) -> list[str]:
         rows = [("CAUSE", "LOST"), *((k, _duration(v)) for k, v in sorted(lost.items()))]
         lines.append("")
         lines.extend(_table(rows))
+    return lines + _last_loss(goodput)
+
+
+def _last_loss(goodput: dict[str, Any]) -> list[str]:
+    """The last failure's record: cause, outcome, phases."""
+    lines: list[str] = []
     last = goodput.get("last_recovery")
     if isinstance(last, dict):
         given = last.get("phases")

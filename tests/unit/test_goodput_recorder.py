@@ -132,3 +132,23 @@ def test_records_closed_before_the_metrics_attach_are_counted_once(run: Run) -> 
     assert seen[-1] == ("exit_code", 2.0, False)  # ended with the run, unrecovered
     assert len(seen) == 2
     assert [e["recovered"] for e in run.recovered()] == [True, False]
+
+
+def test_without_a_signal_the_line_says_unknown_and_one_line_suggests_one(
+        run: Run, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 53: no "0.0 %" for a run that cannot be measured; the restart count is the
+    budget's; the first restart of such a run (only the first) says how to give a signal."""
+    run.launch(1, 101.0)
+    run.step(sm.WorkerExited(1, 1, 43, 1, None, 110.0), 110.0)
+    run.restart(2, 111.0)
+    run.step(sm.WorkerExited(2, 1, 44, 1, None, 120.0), 120.0)
+    run.restart(3, 121.0)
+    hints = [r for r in caplog.records if "--progress-pattern REGEX" in r.getMessage()]
+    assert len(hints) == 1 and "supervisor.snapshot.save" in hints[0].getMessage()
+    run.step(sm.ShutdownRequested(15), 130.0)
+    run.step(sm.GroupStopped(131.0), 131.0)
+    line = run.recorder.summary_line()
+    assert line == ("goodput: wall 31.0s, idle 1.0s, 2 failure(s), 2 restart(s); start-up, "
+                    "productive and lost time unknown, effective training time unknown (no "
+                    "rank had a progress signal: see --progress-pattern)")
+    assert run.state.restart_count == 2
