@@ -46,6 +46,7 @@ class LeaseKeeper:
                  service: str = "etcd") -> None:
         self._client = client
         self._service = service  # what messages call etcd (c10d: the rendezvous host)
+        self._lease = "etcd lease" if service == "etcd" else "rendezvous lease"
         self.id = 0
         self.ttl = ttl
         self.generation = 0  # leases granted so far
@@ -71,7 +72,7 @@ class LeaseKeeper:
             self.id, self.ttl = await self._client.lease_grant(self.ttl)
         self.generation += 1
         self._last_ok = sent
-        logger.info("etcd lease %x granted (ttl %ds)", self.id, self.ttl)
+        logger.info("%s %x granted (ttl %ds)", self._lease, self.id, self.ttl)
 
     async def keep_alive(self) -> None:
         """Refresh until stopped or given up; replace the lease when etcd says it expired."""
@@ -93,7 +94,7 @@ class LeaseKeeper:
             except EtcdError as exc:
                 if self._stopped.is_set():
                     return
-                logger.warning("etcd lease keepalive failed, retrying: %s", exc)
+                logger.warning("%s keepalive failed, retrying: %s", self._lease, exc)
                 continue
             self._last_ok = sent
 
@@ -125,10 +126,11 @@ class LeaseKeeper:
             except EtcdUnavailable as exc:
                 return self.give_up(exc)
             except EtcdError as exc:
-                logger.warning("cannot replace the expired etcd lease, retrying: %s", exc)
+                logger.warning("cannot replace the expired %s, retrying: %s", self._lease, exc)
                 await anyio.sleep(min(self.ttl / 10, 0.5))
-        logger.warning("etcd lease %x expired %s; new lease %x", old,
-                       "during the etcd outage" if across else "while etcd was reachable",
+        logger.warning("%s %x expired %s; new lease %x", self._lease, old,
+                       f"during the {self._service} outage" if across
+                       else f"while {self._service} was reachable",
                        self.id)
         await self._on_expired(across)
 
@@ -182,7 +184,7 @@ class LeaseKeeper:
                 tg.cancel_scope.cancel()
         failure = refused if ended.is_set() else unanswered or "no etcd member answered"
         if failure is not None:
-            logger.warning("could not revoke etcd lease (it expires in %ds): %s", self.ttl,
+            logger.warning("could not revoke %s (it expires in %ds): %s", self._lease, self.ttl,
                            failure)
 
 
