@@ -79,7 +79,7 @@ def judge(answers: Sequence[PeerAnswer], leases: Mapping[str, bool] | None) -> P
             lost.append(LostPeer(answer.node, f"its health endpoint{where} refused the "
                                               "connection"))
         elif held is False:
-            lost.append(LostPeer(answer.node, "its etcd lease is gone"))
+            lost.append(LostPeer(answer.node, "its lease is gone"))
         elif answer.seen is Seen.ANSWERED:
             alive.append(answer.node)
         else:

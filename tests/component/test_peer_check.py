@@ -81,7 +81,7 @@ async def test_refused_and_lease_gone_are_lost_a_silent_peer_is_not(
         silent.close()
     assert check.lost == (
         LostPeer("b", f"its health endpoint at {urls['b']} refused the connection"),
-        LostPeer("e", "its etcd lease is gone"))
+        LostPeer("e", "its lease is gone"))
     assert check.alive == ("c",) and check.unsure == ("d",)
     assert took <= CHECK_BOUND + 0.5, took  # bounded: the silent peer does not hold it up
 

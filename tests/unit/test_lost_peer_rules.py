@@ -19,7 +19,7 @@ def test_a_refused_connection_or_a_gone_lease_is_a_lost_peer() -> None:
                    PeerAnswer("c", Seen.NO_ANSWER, "http://c:1"),
                    PeerAnswer("d", Seen.ANSWERED, "http://d:1")],
                   {"b": True, "c": False, "d": True})
-    assert check.lost == (LostPeer("b", REFUSED), LostPeer("c", "its etcd lease is gone"))
+    assert check.lost == (LostPeer("b", REFUSED), LostPeer("c", "its lease is gone"))
     assert check.alive == ("d",) and check.unsure == ()
 
 
