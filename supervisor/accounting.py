@@ -128,9 +128,12 @@ class GoodputRecorder:
 
     def _suggest_a_signal(self) -> None:
         """Once, at the first relaunch after a failure of a run where no rank has shown
-        progress: how to give the supervisor a progress signal."""
+        progress: how to give the supervisor a progress signal (not for a node that
+        joined: a forming job restarts as its nodes come)."""
         ledger = self.accountant.ledger()
-        if self._suggested or ledger.seen or ledger.failures == 0:
+        last = ledger.last
+        if (self._suggested or ledger.seen or last is None
+                or last.cause in ("node_joined", "spare_admitted")):
             return
         self._suggested = True
         logger.warning("no rank has a progress signal, so what this restart costs, goodput "

@@ -152,3 +152,12 @@ def test_without_a_signal_the_line_says_unknown_and_one_line_suggests_one(
                     "productive and lost time unknown, effective training time unknown (no "
                     "rank had a progress signal: see --progress-pattern)")
     assert run.state.restart_count == 2
+
+
+def test_a_forming_jobs_join_restart_suggests_nothing(
+        run: Run, caplog: pytest.LogCaptureFixture) -> None:
+    run.launch(1, 101.0)
+    run.step(sm.MembershipChanged("node(s) waiting to join: b", 1), 102.0)
+    run.step(sm.GroupStopped(102.5), 102.5)
+    run.launch(2, 103.0)
+    assert not [r for r in caplog.records if "--progress-pattern REGEX" in r.getMessage()]
