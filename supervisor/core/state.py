@@ -92,7 +92,7 @@ class Failure(msgspec.Struct, frozen=True):
         else:
             what = self.kind.value
         text = f"{where} (pid {self.pid}) {what}" if self.pid else f"{where} {what}"
-        return f"{text}: {self.message}" if self.message else text
+        return f"{text}: {bounded(self.message)}" if self.message else text
 
     @property
     def process_exit_code(self) -> int:
@@ -102,6 +102,16 @@ class Failure(msgspec.Struct, frozen=True):
         if self.exit_code is not None and 1 <= self.exit_code <= 125:
             return self.exit_code
         return 1
+
+
+MAX_MESSAGE = 240  # characters of a failure's message in one line (the error file has all)
+
+
+def bounded(message: str) -> str:
+    """One line of at most MAX_MESSAGE characters: a worker's error (a gloo error is
+    ~300) is repeated by several lines, each must stay readable."""
+    line = " ".join(message.split())
+    return line if len(line) <= MAX_MESSAGE else line[:MAX_MESSAGE - 3] + "..."
 
 
 def signal_name(signum: int) -> str:

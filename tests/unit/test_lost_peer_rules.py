@@ -112,3 +112,13 @@ def test_the_goodput_record_of_a_lost_peer_says_node_lost() -> None:
     record = recorder.ledger().last
     assert record is not None and record.cause == "node_lost"
     assert record.outcome is Outcome.OPEN and "node b" in record.message
+
+
+def test_a_long_worker_error_is_one_bounded_line() -> None:
+    """Issue 53, item 5: a gloo error (~300 characters, repeated by several lines) is cut."""
+    error = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:"
+             "537] Read error [127.0.0.1]:1722: Connection reset by peer.\n" + "x" * 400)
+    failure = sm.Failure(sm.FailureKind.EXITED, 1, 0.0, 0, 10, exit_code=1, message=error)
+    text = failure.describe()
+    assert "\n" not in text and len(text) <= sm.MAX_MESSAGE + 60 and text.endswith("...")
+    assert text.startswith("local rank 0 (pid 10) exited with code 1: RuntimeError: ")
