@@ -4,10 +4,13 @@ Pure: no event loop."""
 
 from __future__ import annotations
 
+from supervisor.accounting import GoodputRecorder
 from supervisor.core import state as sm
 from supervisor.core.goodput import Outcome
 from supervisor.core.peers import LostPeer, PeerAnswer, Seen, judge
 from supervisor.core.policy import RestartPolicy
+from supervisor.core.snapshot import ProgressTable
+from supervisor.events import EventLog
 
 POLICY = RestartPolicy(max_restarts=3, peer_loss_limit=2, peer_loss_window=100.0)
 REFUSED = "its health endpoint at http://b:1 refused the connection"
@@ -95,10 +98,6 @@ def test_a_lost_peer_learned_during_a_shutdown_changes_nothing() -> None:
 
 
 def test_the_goodput_record_of_a_lost_peer_says_node_lost() -> None:
-    from supervisor.accounting import GoodputRecorder  # the edge that labels the record
-    from supervisor.core.snapshot import ProgressTable
-    from supervisor.events import EventLog
-
     clock = [0.0]
     recorder = GoodputRecorder(EventLog(None, "job"), ProgressTable(), started=0.0, bound=5.0,
                                clock=lambda: clock[0])
