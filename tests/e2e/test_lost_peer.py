@@ -111,7 +111,12 @@ async def test_two_nodes_a_killed_peer_costs_no_restart(tmp_path: Path, server: 
 
 async def test_three_nodes_both_survivors_keep_the_budget(tmp_path: Path,
                                                           server: EtcdMember) -> None:
-    async with cluster(tmp_path, server.endpoint, nnodes="2:3", flags=BUDGET, worker=LINKED) as job:
+    # a last call long enough for the three to form one round: a 2-node round first would
+    # break its links when the third joins, and a node that sees its rank fail before it
+    # sees the join counts that failure (a forming job's churn, not this test's case)
+    conf = "last_call_timeout=5,lease_ttl=2"
+    async with cluster(tmp_path, server.endpoint, nnodes="2:3", conf=conf, flags=BUDGET,
+                       worker=LINKED) as job:
         nodes = await job.start(3)
         groups = await job.groups(nodes, 3 * LOCAL, timeout=60)
         assert_one_group(groups, 3)
