@@ -135,7 +135,11 @@ async def test_three_nodes_both_survivors_keep_the_budget(tmp_path: Path,
 async def test_a_local_failure_with_every_peer_alive_uses_the_budget(
         tmp_path: Path, server: EtcdMember) -> None:
     failing = ("--link", "--exit", "1", "--fail-rank", "3", "--fail-attempts", "1")
-    async with cluster(tmp_path, server.endpoint, nnodes="2", flags=BUDGET, worker=failing) as job:
+    # a lease long enough that no peer is evicted on a loaded machine (a keepalive starved
+    # past a 2 s TTL: then the peer's lease is truly gone, and the check says so)
+    conf = "last_call_timeout=0.5,lease_ttl=10"
+    async with cluster(tmp_path, server.endpoint, nnodes="2", conf=conf, flags=BUDGET,
+                       worker=failing) as job:
         nodes = await job.start(2)
         assert_one_group(await job.groups(nodes, 2 * LOCAL, timeout=60), 2)
         assert_one_group(await job.groups(nodes, 2 * LOCAL, timeout=30), 2)  # the next one
