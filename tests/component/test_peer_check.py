@@ -51,6 +51,17 @@ async def status_server(run_id: str) -> AsyncIterator[str]:
             await runner.cleanup()
 
 
+def summary(node: str, url: str) -> str:
+    """A node's status summary naming its health URL."""
+    return json.dumps({"node_id": node, "health_url": url})
+
+
+def join(node: str, addr: str = "127.0.0.1") -> str:
+    """A node's join key of the round, on ``addr`` (the address a health URL must be on to
+    be asked)."""
+    return json.dumps({"node": node, "addr": addr, "local_world_size": 1})
+
+
 def closed_port() -> str:
     """A URL on a port nobody listens on (bound, then closed: refused)."""
     with socket.socket() as sock:
@@ -65,15 +76,17 @@ async def test_refused_and_lease_gone_are_lost_a_silent_peer_is_not(
     try:
         async with EtcdClient([server.endpoint]) as client, status_server(RUN) as alive:
             urls = {"b": closed_port(), "c": alive, "d": f"http://127.0.0.1:"
-                    f"{silent.getsockname()[1]}", "e": alive}
+                    f"{silent.getsockname()[1]}", "e": alive, "f": closed_port()}
             for node, url in urls.items():
-                await client.put(summary_prefix(RUN) + node, json.dumps({"health_url": url}))
+                await client.put(summary_prefix(RUN) + node, summary(node, url))
             for node in ("a", "b", "c", "d"):  # e's join key went with its lease
-                await client.put(keys.node(ROUND, "join", node), "{}")
+                await client.put(keys.node(ROUND, "join", node), join(node))
+            # f's summary names a URL on another host than it joined with: never asked
+            await client.put(keys.node(ROUND, "join", "f"), join("f", "10.9.9.9"))
             peers = CutoffCheck(client, RUN, "a", ttl=10, last_refresh_sent=time.monotonic,
                                 on_cut_off=lambda _reason: None)
-            result = RendezvousResult(ROUND, 0, 5, 0, 5, "127.0.0.1", 1,
-                                      members=("a", "b", "c", "d", "e"))
+            result = RendezvousResult(ROUND, 0, 6, 0, 6, "127.0.0.1", 1,
+                                      members=("a", "b", "c", "d", "e", "f"))
             started = time.monotonic()
             check = await check_peers(client, keys, peers, RUN, "a", result, CHECK_BOUND)
             took = time.monotonic() - started
@@ -82,7 +95,7 @@ async def test_refused_and_lease_gone_are_lost_a_silent_peer_is_not(
     assert check.lost == (
         LostPeer("b", f"its health endpoint at {urls['b']} refused the connection"),
         LostPeer("e", "its lease is gone"))
-    assert check.alive == ("c",) and check.unsure == ("d",)
+    assert check.alive == ("c",) and check.unsure == ("d", "f")
     assert took <= CHECK_BOUND + 0.5, took  # bounded: the silent peer does not hold it up
 
 
@@ -91,10 +104,11 @@ async def test_without_etcd_the_health_endpoints_alone_tell(server: EtcdMember) 
     keys = Keys(RUN)
     async with EtcdClient([server.endpoint]) as client:
         gone = closed_port()
-        await client.put(summary_prefix(RUN) + "b", json.dumps({"health_url": gone}))
+        await client.put(summary_prefix(RUN) + "b", summary("b", gone))
+        await client.put(keys.node(ROUND, "join", "b"), join("b"))
         peers = CutoffCheck(client, RUN, "a", ttl=10, last_refresh_sent=time.monotonic,
                             on_cut_off=lambda _reason: None)
-        await peers.learn_all(["a", "b"])
+        await peers.learn_all(["a", "b"], ROUND)
     async with EtcdClient([closed_port()]) as dead:  # etcd gone
         result = RendezvousResult(ROUND, 0, 2, 0, 2, "127.0.0.1", 1, members=("a", "b"))
         check = await check_peers(dead, keys, peers, RUN, "a", result, CHECK_BOUND)
