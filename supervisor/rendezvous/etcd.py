@@ -258,7 +258,9 @@ class EtcdRendezvous:
             clock.cause = cause  # a name that did not resolve stays the cause of this wait
         elif unresolved(clock.cause):
             cause = clock.cause  # later tries may time out inside the resolver instead
-        wait = WaitProgress(f"etcd at {', '.join(self.config.endpoints)} to answer",
+        what = (f"etcd at {', '.join(self.config.endpoints)}" if self.config.service == "etcd"
+                else self.config.service)  # c10d: the rendezvous host, not an etcd
+        wait = WaitProgress(f"{what} to answer",
                             clock.started_wall, clock.waited(now), cause=cause)
         # a WARNING, not INFO: the node does nothing until it answers, and a wrong endpoint
         # never starts to answer (join_timeout bounds the wait)
