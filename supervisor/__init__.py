@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from supervisor.version import __version__
+
 if TYPE_CHECKING:
     from supervisor.api import RankFailure, WorkerGroupFailed, alaunch, launch
 
-__version__ = "0.1.0"
 __all__ = ["RankFailure", "WorkerGroupFailed", "__version__", "alaunch", "launch"]
 
 _API = frozenset({"RankFailure", "WorkerGroupFailed", "alaunch", "launch"})

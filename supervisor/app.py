@@ -68,7 +68,11 @@ from supervisor.preflight import (
 from supervisor.priority import describe as describe_priority
 from supervisor.priority import raise_loop_priority
 from supervisor.rendezvous.base import Rendezvous, RendezvousError
-from supervisor.rendezvous.registry import conf_barrier_timeout, make_rendezvous
+from supervisor.rendezvous.registry import (
+    backend_advisories,
+    conf_barrier_timeout,
+    make_rendezvous,
+)
 from supervisor.systemd import (
     NOTIFY_ENV_VARS,
     Notifier,
@@ -256,7 +260,8 @@ async def supervise(
         stop_guard=lambda: extending_timeout(notifier), healing=healing,
         late_observer=sock is not None,  # the metrics, attached by serve_when_launched
     )
-    for level, note in advisories(settings):  # after the checks: a failed start is one line
+    # after the checks: a failed start is one line
+    for level, note in (*advisories(settings), *backend_advisories(settings)):
         logger.log(level, "%s", note)
     if not embedded:  # this thread runs the loop; the spawner (workers) stays at nice 0
         priority = raise_loop_priority(settings.loop_nice)  # /healthz ahead of a restart

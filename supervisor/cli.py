@@ -13,10 +13,11 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
-from supervisor import __version__
 from supervisor.abbrev import AmbiguousFlag, expand_abbreviations
 from supervisor.config import ConfigError, Settings, build, from_environ, load_file, to_toml_dict
+from supervisor.rendezvous.registry import check_backend
 from supervisor.suggest import did_you_mean
+from supervisor.version import __version__
 from supervisor.workers.output import OutputPlan, OutputSpecError
 
 EXIT_USAGE = 2
@@ -174,7 +175,9 @@ def parse_run_args(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         # argparse gives REMAINDER an empty list even when absent: it must not override
         # the config file's arguments
         ns.pop("training_script_args", None)
-    return build(file_layer, from_environ(environ), ns)
+    settings = build(file_layer, from_environ(environ), ns)
+    check_backend(settings)
+    return settings
 
 
 def _takes_value(parser: argparse.ArgumentParser) -> dict[str, bool]:
@@ -193,6 +196,7 @@ def _check_config(argv: Sequence[str]) -> int:
     p.add_argument("file", help="the TOML file (keys are the snake_case of run's flags)")
     ns = p.parse_args(list(argv))
     settings = build(load_file(ns.file), from_environ(os.environ))
+    check_backend(settings)
     try:
         OutputPlan.from_settings(settings)  # --tee/--redirects/--local-ranks-filter values
     except OutputSpecError as exc:

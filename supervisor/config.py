@@ -21,7 +21,6 @@ import msgspec
 
 from supervisor.core.nodehealth import Limits, check_limits, start_warnings
 from supervisor.errors import ConfigError as ConfigError
-from supervisor.rendezvous.registry import BACKENDS
 from supervisor.suggest import did_you_mean
 
 
@@ -44,7 +43,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     virtual_local_rank: bool = False
     numa_binding: Literal["node", "socket", "exclusive", "core-complex"] | None = None
     # rendezvous
-    rdzv_backend: str = "static"  # a name in rendezvous/registry.py's BACKENDS
+    rdzv_backend: str = "static"  # a name in rendezvous/registry.py's BACKENDS (it checks)
     rdzv_endpoint: str = ""
     rdzv_id: str = "none"
     rdzv_conf: str = ""
@@ -120,8 +119,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 DEFAULT_HEALTH_PORT: Final = 29480  # used when no flag, file or variable names a port
 
 FIELDS: frozenset[str] = frozenset(Settings.__struct_fields__)
-# the registry's names, in its order (what each backend is: rendezvous/registry.py)
-RDZV_BACKENDS = tuple(BACKENDS)
 _BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True,
                "0": False, "false": False, "no": False, "off": False, "": False}
 _LIST_FIELDS = {
@@ -267,9 +264,9 @@ def _validation_message(text: str) -> str:
 
 
 def validate(s: Settings) -> None:
-    """Range and cross-field checks msgspec's types cannot express."""
+    """Range and cross-field checks msgspec's types cannot express. What the chosen
+    rendezvous backend needs is the registry's to check (``registry.check_backend``)."""
     s.min_nodes, s.local_world_size, s.backoff  # noqa: B018  (each raises ConfigError if bad)
-    backend = BACKENDS.get(s.rdzv_backend)
     checks: list[tuple[bool, str]] = [
         (s.max_restarts >= 0, f"max_restarts: must be >= 0, got {s.max_restarts}"),
         (s.node_rank >= 0, f"node_rank: must be >= 0, got {s.node_rank}"),
@@ -286,15 +283,6 @@ def validate(s: Settings) -> None:
          "restart_budget_window: must be > 0 seconds"),
         (bool(s.training_script), "training_script: nothing to run (give a script or command)"),
         (not (s.module and s.no_python), "module: --module and --no-python are mutually exclusive"),
-        (backend is not None,
-         f"rdzv_backend: unknown backend {s.rdzv_backend!r} (valid: {', '.join(RDZV_BACKENDS)})"),
-        (backend is None or not backend.needs_endpoint or bool(s.rdzv_endpoint),
-         f"rdzv_endpoint: the {s.rdzv_backend} backend needs --rdzv-endpoint "
-         "host:port[,host:port]"),
-        (backend is None or backend.coordinates_nodes or s.min_nodes == s.max_nodes,
-         f"nnodes: the {s.rdzv_backend} backend needs a fixed node count, got {s.nnodes!r}"),
-        (backend is None or backend.coordinates_nodes or s.node_rank < s.max_nodes,
-         f"node_rank: {s.node_rank} is out of range for {s.max_nodes} node(s)"),
         (s.hang_dump in ("none", "py-spy")
          or s.hang_dump.removeprefix("signal:") in signal.Signals.__members__,
          f"hang_dump: expected none, py-spy or signal:SIGNAME, got {s.hang_dump!r}"),
@@ -354,33 +342,11 @@ def _splits(text: str) -> bool:
 
 
 def advisories(s: Settings) -> list[tuple[int, str]]:
-    """(logging level, line) for valid settings that have no effect with the chosen
-    backend (WARNING), or an effect a user may not expect (INFO); each names the setting."""
+    """(logging level, line) for valid settings that have no effect (WARNING), or an effect
+    a user may not expect (INFO); each names the setting. The rendezvous backend's own are
+    ``registry.backend_advisories``."""
     notes: list[tuple[int, str]] = [
         (logging.WARNING, line) for line in start_warnings(healing_limits(s), s.max_restarts)]
-    backend = BACKENDS.get(s.rdzv_backend)
-    if backend is not None and not backend.coordinates_nodes:
-        if s.rdzv_endpoint:
-            notes.append((logging.WARNING,
-                          f"rdzv_endpoint: ignored by the static backend ({s.rdzv_endpoint!r}); "
-                          "it uses master_addr/master_port; for a rendezvous server use "
-                          "--rdzv-backend etcd"))
-        if s.rdzv_conf:
-            notes.append((logging.WARNING,
-                          f"rdzv_conf: ignored by the static backend ({s.rdzv_conf!r})"))
-        if s.max_nodes > 1:
-            notes.append((
-                logging.INFO,
-                f"nnodes: the static backend does not coordinate nodes: this node "
-                f"(node_rank {s.node_rank} of {s.max_nodes}) starts its workers at once and "
-                "nothing checks that the other nodes take part (their workers meet in the "
-                f"store at master_addr {s.master_addr}); --rdzv-backend etcd makes nodes "
-                "join, restart and fail together",
-            ))
-    elif s.rdzv_backend == "etcd" and s.node_rank != 0:
-        notes.append((logging.WARNING,
-                      f"node_rank: ignored by the etcd backend ({s.node_rank}); "
-                      "node ranks are assigned at each rendezvous round"))
     if s.logs_specs is not None:
         notes.append((logging.INFO,
                       f"logs_specs: {s.logs_specs!r} is torch's DefaultLogsSpecs: worker "

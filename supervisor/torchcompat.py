@@ -19,13 +19,10 @@ import time
 import uuid
 from collections.abc import Mapping
 from functools import cache
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
-from supervisor.config import ConfigError
+from supervisor.errors import ConfigError, RankFailure, WorkerGroupFailed
 from supervisor.workers.errorfile import parse_error_file, read_error_data
-
-if TYPE_CHECKING:
-    from supervisor.api import RankFailure, WorkerGroupFailed
 
 logger = logging.getLogger(__name__)
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import msgspec
 
-from supervisor import __version__
 from supervisor.core.goodput import Ledger, Outcome, Recovery, totals
 from supervisor.core.snapshot import FailureView, RendezvousView, Snapshot, WorkerView
+from supervisor.version import __version__
 
 UNKNOWN = "unknown"  # a phase or figure no progress signal let us see
 

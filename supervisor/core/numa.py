@@ -28,6 +28,8 @@ from typing import Literal, get_args
 import msgspec
 
 Mode = Literal["node", "socket", "exclusive", "core-complex"]
+# local_rank -> CPUs to bind the worker to, or None (what the worker group is given)
+CpusFor = Callable[[int], tuple[int, ...] | None]
 MODES: tuple[str, ...] = get_args(Mode)
 
 

@@ -16,9 +16,11 @@ from anyio.abc import TaskStatus
 
 from supervisor.core.nodehealth import Judgement, Limits, NodeFailure, Quarantine, RoundCause
 from supervisor.core.peers import PeerCheck
+from supervisor.errors import RendezvousError as RendezvousError
 
-if TYPE_CHECKING:
-    from supervisor.rendezvous.etcd import EtcdRendezvous
+if TYPE_CHECKING:  # types of the etcd's wire and settings layers, which never import this
+    from supervisor.rendezvous.etcd_client import Reachability
+    from supervisor.rendezvous.etcd_config import EtcdRendezvousConfig
 
 
 class RendezvousResult(msgspec.Struct, frozen=True):
@@ -81,10 +83,6 @@ class BarrierResult(msgspec.Struct, frozen=True):
     message: str = ""
 
 
-class RendezvousError(Exception):
-    """The rendezvous cannot complete (timeout, closed job, unreachable service)."""
-
-
 class RendezvousClosed(RendezvousError):
     """The job was closed (succeeded or failed for good on some node)."""
 
@@ -113,7 +111,7 @@ class Rendezvous(Protocol):
         strays when a worker group stops."""
         ...
 
-    def etcd_service(self) -> EtcdRendezvous | None:
+    def etcd_service(self) -> EtcdService | None:
         """The etcd rendezvous behind the backend (its outages, metrics, job-wide status),
         or None for a backend without etcd."""
         ...
@@ -176,6 +174,43 @@ class Rendezvous(Protocol):
     async def serve_until_job_ends(self) -> None:
         """After this node left: return once the other nodes no longer need anything from
         it (at once, except on a c10d host, whose etcd they depend on)."""
+        ...
+
+
+class PeerNotices(Protocol):
+    """Leave notices peers send this node directly (``POST /v1/leave-notice``)."""
+
+    counts: dict[str, int]  # notices by outcome: received, refused, confirmed, unconfirmed
+
+    def receive(self, doc: object) -> tuple[int, dict[str, Any]]:
+        """Judge one notice; the HTTP status and body to answer with."""
+        ...
+
+
+class EtcdService(Protocol):
+    """The etcd behind an etcd-based backend, for what runs beside the rounds: /status's
+    outage view, the etcd metrics, peers' leave notices and the job's status summaries."""
+
+    @property
+    def config(self) -> EtcdRendezvousConfig: ...
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def lease_id(self) -> int: ...
+
+    @property
+    def notices(self) -> PeerNotices: ...
+
+    @property
+    def reachability(self) -> Reachability: ...
+
+    @property
+    def stats(self) -> dict[str, int]: ...
+
+    def outage_status(self) -> dict[str, Any]:
+        """For ``/status``: whether etcd answers, and the outages so far."""
         ...
 
 

@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from supervisor.core import nodehealth as nh
-from supervisor.rendezvous.base import RendezvousError
+from supervisor.errors import RendezvousError
 
 logger = logging.getLogger(__name__)
 

@@ -32,15 +32,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import aiohttp
 import anyio
 
 from supervisor.rendezvous.decode import WireError, gateway_kv, gateway_list
-
-if TYPE_CHECKING:
-    from supervisor.rendezvous.etcd_watch import Watch
 
 logger = logging.getLogger(__name__)
 
@@ -628,23 +625,6 @@ class EtcdClient:
     async def lease_revoke(self, lease_id: int) -> None:
         """Revoke the lease, deleting every key bound to it."""
         await self.call("/v3/lease/revoke", {"ID": str(lease_id)})
-
-    def watch(self, key: str, *, prefix: bool = False, start_revision: int,
-              on_live: Callable[[bool], None] | None = None,
-              check_interval: float | None = None) -> Watch:
-        """Watch the key (or prefix) from ``start_revision``: ``async with client.watch(...)
-        as w: async for events in w``. With more than one endpoint the watch keeps streams
-        on two members and delivers each event once; a stream reconnects to any endpoint,
-        resuming after the last event delivered, for up to ``retry_window`` seconds per
-        outage; then ``EtcdUnavailable``. After an outage it raises
-        ``etcd_watch.WatchResync``: re-read, then watch again from the fresh revision.
-        ``on_live`` hears the watch's liveness whenever a stream opens or closes;
-        ``check_interval`` (default: ``timeout``) is how often a silent stream checks its
-        member. See ``etcd_watch`` for how a watch notices that a member went quiet."""
-        from supervisor.rendezvous.etcd_watch import Watch
-
-        return Watch(self, _key_range(key, prefix), start_revision, on_live=on_live,
-                     check_interval=check_interval)
 
     # what the client learnt about each member (watches follow it, see etcd_watch)
 

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from supervisor.rendezvous.base import EtcdService
 from supervisor.rendezvous.decode import IGNORED
-
-if TYPE_CHECKING:
-    from supervisor.rendezvous.etcd import EtcdRendezvous
 
 PREFIX = "elastic_supervisor_etcd_"
 
@@ -27,7 +24,7 @@ PREFIX = "elastic_supervisor_etcd_"
 class EtcdCollector(Collector):
     """The etcd rendezvous' reachability and traffic, as Prometheus series."""
 
-    def __init__(self, rdzv: EtcdRendezvous) -> None:
+    def __init__(self, rdzv: EtcdService) -> None:
         self._rdzv = rdzv
 
     def collect(self) -> Iterator[Metric]:

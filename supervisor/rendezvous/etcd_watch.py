@@ -84,7 +84,7 @@ from supervisor.rendezvous.etcd_stream import (
 )
 
 __all__ = ["KEEPALIVE_PROBES", "LEADER_HEADER", "LiveHook", "PrefixView", "Watch",
-           "WatchResync", "open_prefix_view", "set_keepalive"]
+           "WatchResync", "open_prefix_view", "open_watch", "set_keepalive"]
 
 logger = logging.getLogger(__name__)
 
@@ -397,6 +397,21 @@ class Watch:
             else:
                 await anyio.sleep(delay)
             delay = min(delay * 2, 1.0)
+
+
+def open_watch(client: EtcdClient, key: str, *, prefix: bool = False, start_revision: int,
+               on_live: LiveHook | None = None, check_interval: float | None = None
+               ) -> Watch:
+    """Watch the key (or prefix) from ``start_revision``: ``async with open_watch(client, ...)
+    as w: async for events in w``. With more than one endpoint the watch keeps streams
+    on two members and delivers each event once; a stream reconnects to any endpoint,
+    resuming after the last event delivered, for up to the client's ``retry_window``
+    seconds per outage; then ``EtcdUnavailable``. After an outage it raises
+    ``WatchResync``: re-read, then watch again from the fresh revision. ``on_live`` hears
+    the watch's liveness whenever a stream opens or closes; ``check_interval`` (default:
+    the client's ``timeout``) is how often a silent stream checks its member."""
+    return Watch(client, _key_range(key, prefix), start_revision, on_live=on_live,
+                 check_interval=check_interval)
 
 
 def _prefix_range(prefix: str) -> JsonDict:

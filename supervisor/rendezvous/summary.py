@@ -31,7 +31,7 @@ from supervisor.rendezvous.decode import Summary, decode, printable
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError, hedge_delay
 
 if TYPE_CHECKING:
-    from supervisor.rendezvous.etcd import EtcdRendezvousConfig
+    from supervisor.rendezvous.etcd_config import EtcdRendezvousConfig
 
 logger = logging.getLogger(__name__)
 

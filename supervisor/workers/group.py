@@ -15,20 +15,21 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.lowlevel
-import msgspec
 
 from supervisor.config import Settings
 from supervisor.core import state as sm
 from supervisor.core.envs import GroupLayout, worker_argv, worker_env
+from supervisor.core.numa import CpusFor as CpusFor
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import RendezvousResult
 from supervisor.workers import nodecheck
+from supervisor.workers.attempt import Attempt as Attempt
+from supervisor.workers.attempt import WorkerFailure as WorkerFailure
 from supervisor.workers.attemptdir import create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
 from supervisor.workers.guardian import Guardian
@@ -49,48 +50,11 @@ logger = logging.getLogger(__name__)
 
 # (local_rank, global_rank, rank_dir) -> argv of that rank's worker
 CommandFor = Callable[[int, int, Path], list[str]]
-# local_rank -> CPUs to bind the worker to, or None
-CpusFor = Callable[[int], tuple[int, ...] | None]
 Post = Callable[[sm.Event], None]
-
-
-class WorkerFailure(msgspec.Struct, frozen=True):
-    """A worker that failed before its group began to stop (the run's typed result)."""
-
-    local_rank: int
-    global_rank: int
-    pid: int
-    exit_code: int | None
-    signal: str | None  # its name (SIGKILL), when it died by one
-    message: str
-    at_wall: float
 
 
 class AttemptPrepError(OSError):
     """The supervisor could not prepare an attempt (its own failure, not the workers')."""
-
-
-@dataclass(eq=False)
-class Attempt:
-    """One incarnation of the worker group."""
-
-    number: int
-    dir_index: int
-    directory: Path
-    round: RendezvousResult
-    layout: GroupLayout
-    workers: list[Worker] = field(default_factory=list)
-    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
-    kill_now: anyio.Event = field(default_factory=anyio.Event)
-    stopping: bool = False  # set when its stop is decided: no new standbys from then on
-    # set once ``WorkerGroup.start`` is done with it (every rank started, or it stopped
-    # starting them because a stop was decided meanwhile): a stop waits for it
-    started: anyio.Event = field(default_factory=anyio.Event)
-    # workers that failed before the stop was decided, in the order their exits were seen
-    failures: list[WorkerFailure] = field(default_factory=list)
-
-    def error_file(self, local_rank: int) -> Path:
-        return self.directory / str(local_rank) / "error.json"
 
 
 class WorkerGroup:

@@ -20,19 +20,16 @@ import logging
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from supervisor.config import ConfigError, Settings
 from supervisor.core.numa import (
+    CpusFor,
     CpuTopology,
     NumaBindingError,
     bind_ranks,
     format_cpu_list,
     parse_cpu_list,
 )
-
-if TYPE_CHECKING:
-    from supervisor.controller import CpusFor
 
 logger = logging.getLogger(__name__)
 

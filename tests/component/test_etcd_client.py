@@ -23,7 +23,7 @@ from supervisor.rendezvous.etcd_client import (
     range_op,
 )
 from supervisor.rendezvous.etcd_lease import LeaseKeeper
-from supervisor.rendezvous.etcd_watch import open_prefix_view
+from supervisor.rendezvous.etcd_watch import open_prefix_view, open_watch
 from tests.support.etcd import (
     EtcdFactory,
     EtcdMember,
@@ -94,7 +94,7 @@ async def test_watch_yields_puts_and_deletes_in_order(client: EtcdClient) -> Non
     await client.put("/t/other", "ignored")
     seen: list[tuple[str, str]] = []
     with anyio.fail_after(5):
-        async with client.watch("/t/w/", prefix=True, start_revision=start) as watch:
+        async with open_watch(client, "/t/w/", prefix=True, start_revision=start) as watch:
             async for events in watch:
                 seen += [(ev.type, ev.kv.key) for ev in events]
                 if len(seen) >= 2:
@@ -141,7 +141,7 @@ async def test_watch_resumes_on_another_member(factory: EtcdFactory) -> None:
     async with EtcdClient([m.endpoint for m in members], timeout=2.0) as client:
         start = await client.put("/t/r/a", "1")
         with anyio.fail_after(10):
-            async with client.watch("/t/r/", prefix=True, start_revision=start) as watch:
+            async with open_watch(client, "/t/r/", prefix=True, start_revision=start) as watch:
                 first = await watch.__anext__()
                 members[0].kill()
                 await client.put("/t/r/b", "2")
@@ -268,7 +268,7 @@ async def test_stats_count_requests_conflicts_and_watch_events(client: EtcdClien
     start = await client.put("/t/s/a", "1")
     assert not (await client.txn([compare("/t/s/a", "VERSION", "=", 0)], [])).succeeded
     with anyio.fail_after(5):
-        async with client.watch("/t/s/", prefix=True, start_revision=start) as watch:
+        async with open_watch(client, "/t/s/", prefix=True, start_revision=start) as watch:
             await watch.__anext__()
     stats = client.stats.as_dict()
     assert stats["requests"] == 2 and stats["txns"] == 1 and stats["txn_conflicts"] == 1

@@ -15,7 +15,7 @@ import anyio.lowlevel
 import pytest
 
 from supervisor.rendezvous.etcd_client import EtcdClient, EtcdUnavailable
-from supervisor.rendezvous.etcd_watch import BACKLOG, LAG, Watch, open_prefix_view
+from supervisor.rendezvous.etcd_watch import BACKLOG, LAG, Watch, open_prefix_view, open_watch
 from tests.support.etcd import (
     EtcdFactory,
     EtcdMember,
@@ -48,7 +48,7 @@ async def test_a_member_without_a_leader_refuses_the_watch_at_once(factory: Etcd
         async with EtcdClient([members[0].endpoint], timeout=2.0, retry_window=0) as client:
             # refused ("no leader"), not timed out (that would say TimeoutError)
             with anyio.fail_after(5), pytest.raises(EtcdUnavailable, match="no leader"):
-                async with client.watch("/t/l/", prefix=True, start_revision=1) as watch:
+                async with open_watch(client, "/t/l/", prefix=True, start_revision=1) as watch:
                     await watch.__anext__()
     finally:
         thaw(members[1])
@@ -84,7 +84,7 @@ async def test_a_frozen_member_delays_no_event_and_its_stream_moves(
             EtcdClient([members[1].endpoint], timeout=1.0, retry_window=10) as writer:
         # the writer waits out an election if the frozen member led the cluster
         start = await writer.put("/t/f/a", "1")
-        async with client.watch("/t/f/", prefix=True, start_revision=start,
+        async with open_watch(client, "/t/f/", prefix=True, start_revision=start,
                                 on_live=streams.heard) as watch:
             streams.watch = watch
             with anyio.fail_after(5):
@@ -131,7 +131,7 @@ async def test_a_stream_behind_the_other_moves_and_requests_follow_the_news(
     async with EtcdClient([m.endpoint for m in ordered], timeout=2.0) as client, \
             EtcdClient([ordered[1].endpoint], timeout=2.0, retry_window=10) as writer:
         start = await writer.put("/t/n/a", "1")
-        async with client.watch("/t/n/", prefix=True, start_revision=start,
+        async with open_watch(client, "/t/n/", prefix=True, start_revision=start,
                                 on_live=streams.heard, check_interval=interval) as watch:
             streams.watch = watch
             with anyio.fail_after(5):
@@ -175,7 +175,7 @@ async def test_between_healthy_members_requests_return_to_the_first_streams_memb
     async with EtcdClient([m.endpoint for m in members], timeout=2.0) as client, \
             EtcdClient([members[1].endpoint], timeout=2.0) as writer:
         start = await writer.put("/t/c/0", "0")
-        async with client.watch("/t/c/", prefix=True, start_revision=start,
+        async with open_watch(client, "/t/c/", prefix=True, start_revision=start,
                                 on_live=streams.heard) as watch, \
                 anyio.create_task_group() as tg:
             streams.watch = watch
@@ -211,7 +211,7 @@ async def test_a_reader_slower_than_the_writes_moves_no_stream(factory: EtcdFact
     async with EtcdClient([m.endpoint for m in members], timeout=1.0) as client, \
             EtcdClient([members[1].endpoint], timeout=1.0, retry_window=10) as writer:
         start = await writer.put("/t/s/000", "x")
-        async with client.watch("/t/s/", prefix=True, start_revision=start) as watch:
+        async with open_watch(client, "/t/s/", prefix=True, start_revision=start) as watch:
             last = start
             for n in range(1, writes):  # the reader reads nothing meanwhile
                 last = await writer.put(f"/t/s/{n:03}", "x")
@@ -247,7 +247,7 @@ async def test_no_event_is_lost_or_repeated_while_a_stream_moves(factory: EtcdFa
     async with EtcdClient([m.endpoint for m in members], timeout=1.0) as client, \
             EtcdClient([members[1].endpoint], timeout=1.0, retry_window=10) as writer:
         start = await writer.put("/t/n/000", "x")
-        async with client.watch("/t/n/", prefix=True, start_revision=start,
+        async with open_watch(client, "/t/n/", prefix=True, start_revision=start,
                                 on_live=streams.heard) as watch, \
                 anyio.create_task_group() as tg:
             streams.watch = watch
@@ -280,7 +280,7 @@ async def test_a_watch_with_one_endpoint_opens_one_stream(factory: EtcdFactory) 
     server = factory.single()
     async with EtcdClient([server.endpoint], timeout=1.0) as client:
         start = await client.put("/t/one/a", "1")
-        async with client.watch("/t/one/", prefix=True, start_revision=start) as watch:
+        async with open_watch(client, "/t/one/", prefix=True, start_revision=start) as watch:
             with anyio.fail_after(5):
                 await watch.__anext__()
             assert watch.endpoints == (server.endpoint,)

@@ -9,11 +9,13 @@ import sys
 
 from supervisor.cli import parse_run_args
 from supervisor.config import advisories
+from supervisor.rendezvous.registry import backend_advisories
 
 
 def preload_notes(*flags: str) -> list[tuple[int, str]]:
     settings = parse_run_args([*flags, "--preload", "torch", "train.py"], {})
-    return [note for note in advisories(settings) if note[1].startswith("preload:")]
+    notes = (*advisories(settings), *backend_advisories(settings))
+    return [note for note in notes if note[1].startswith("preload:")]
 
 
 def test_preload_with_max_restarts_0_on_static_is_quiet() -> None:

@@ -7,15 +7,18 @@ from pathlib import Path
 import pytest
 
 from supervisor.config import ConfigError, Settings, validate
-from supervisor.rendezvous.registry import BACKENDS, make_rendezvous
+from supervisor.rendezvous.registry import BACKENDS, check_backend, make_rendezvous
 
 
 def test_the_registry_knows_exactly_the_backends_the_config_accepts() -> None:
-    for name, backend in BACKENDS.items():  # the config derives its checks from the registry
-        validate(Settings(training_script="x.py", rdzv_backend=name,
-                          rdzv_endpoint="127.0.0.1:2379" if backend.needs_endpoint else ""))
+    for name, backend in BACKENDS.items():  # the registry checks what its backends need
+        settings = Settings(training_script="x.py", rdzv_backend=name,
+                            rdzv_endpoint="127.0.0.1:2379" if backend.needs_endpoint else "")
+        validate(settings)
+        check_backend(settings)
+    validate(Settings(training_script="x.py", rdzv_backend="zk"))  # the config names none
     with pytest.raises(ConfigError) as refused:
-        validate(Settings(training_script="x.py", rdzv_backend="zk"))
+        check_backend(Settings(training_script="x.py", rdzv_backend="zk"))
     assert str(refused.value) == ("rdzv_backend: unknown backend 'zk' "
                                   "(valid: static, c10d, etcd, etcd-v2)")
 

@@ -8,6 +8,7 @@ import pytest
 
 from supervisor.cli import parse_run_args
 from supervisor.config import ConfigError, build, from_environ, load_file
+from supervisor.rendezvous.registry import check_backend
 
 
 def test_precedence_defaults_file_env_flags(tmp_path: Path) -> None:
@@ -53,7 +54,7 @@ def test_torchrun_underscore_flags_and_script_args() -> None:
 ])
 def test_bad_values_name_the_key(layer: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message) as info:
-        build({"training_script": "t.py"}, layer)
+        check_backend(build({"training_script": "t.py"}, layer))  # as the CLI and API do
     assert "\n" not in str(info.value)
 
 

@@ -13,7 +13,7 @@ from supervisor.workers.spawn import Start, Worker, WorkerSpec
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from supervisor.workers.group import Attempt
+    from supervisor.workers.attempt import Attempt
     from supervisor.workers.warm.memory import MemorySample
 
 
