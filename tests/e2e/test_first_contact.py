@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.config import DEFAULT_HEALTH_PORT, advisories, build, load_file
+from supervisor.rendezvous.registry import backend_advisories
 from tests.support import deps
 from tests.support.daemon import Supervised, supervisor
 from tests.support.notify import notify_socket, receive_notification
@@ -222,11 +223,14 @@ def test_a_closed_stdout_pipe_ends_quietly(tmp_path: Path) -> None:
 
 
 def test_settings_the_backend_ignores_are_named() -> None:
-    notes = [text for _, text in advisories(build({
+    settings = build({
         "training_script": "x.py", "rdzv_endpoint": "etcd:2379", "rdzv_conf": "a=1",
-    }))]
+    })
+    assert not advisories(settings)  # the config names no backend: the registry does
+    notes = [text for _, text in backend_advisories(settings)]
     assert [n.split(":")[0] for n in notes] == ["rdzv_endpoint", "rdzv_conf"]
-    assert not advisories(build({"training_script": "x.py"}))
+    plain = build({"training_script": "x.py"})
+    assert not advisories(plain) and not backend_advisories(plain)
 
 
 def test_static_with_two_nodes_says_the_other_node_was_not_checked(tmp_path: Path) -> None:
