@@ -44,7 +44,8 @@ class _Parser(argparse.ArgumentParser):
         return ""
 
 
-def _flag(parser: argparse.ArgumentParser, name: str, *extra: str, **kw: Any) -> None:
+# a parser or one of its help groups (typeshed names their common base with an underscore)
+def _flag(parser: argparse._ActionsContainer, name: str, *extra: str, **kw: Any) -> None:
     """Add ``--a-b`` with torchrun's ``--a_b`` alias; absent flags stay absent."""
     names = [f"--{name}"]
     if "-" in name:
@@ -76,7 +77,6 @@ def _run_parser() -> argparse.ArgumentParser:
     _flag(p, "local-addr", help="this node's address as other nodes reach it")
     _flag(p, "role", help="worker role name (default 'default')")
     _flag(p, "start-method", help="spawn (default), forkserver or fork (Python API only)")
-    _flag(p, "monitor-interval", type=float, help="accepted, unused: exits are noticed at once")
     _flag(p, "shutdown-timeout", type=float, help="grace before SIGKILL on every stop (30 s)")
     _flag(p, "exit-barrier-timeout", type=float, help="wait for other nodes at the end (300 s)")
     _flag(p, "log-dir", help="base directory for per-rank logs and error files")
@@ -89,16 +89,20 @@ def _run_parser() -> argparse.ArgumentParser:
     _flag(p, "virtual-local-rank", action="store_const", const=True,
           help="LOCAL_RANK=0 and one device per worker")
     _flag(p, "numa-binding", help="node, socket, exclusive or core-complex")
-    _flag(p, "event-log-handler", help="accepted for torchrun compatibility; see --event-log")
-    _flag(p, "logs-specs",
-          help="default (torch's DefaultLogsSpecs): our own log layout; plugins refused")
-    _flag(p, "signals-to-handle",
-          help="accepted; TERM/INT/QUIT stop, HUP reopens logs, USR1/USR2 are forwarded")
     _flag(p, "run-path", action="store_const", const=True, help="run the script with runpy")
     _flag(p, "module", "-m", action="store_const", const=True,
           help="run the script as 'python -m MODULE'")
     _flag(p, "no-python", action="store_const", const=True,
           help="run the script as an executable, not with Python")
+    ignored = p.add_argument_group(
+        "torchrun flags accepted and ignored",
+        "Accepted (and checked) so torchrun command lines run unchanged; they change nothing.")
+    _flag(ignored, "monitor-interval", type=float, help="exits are noticed at once (pidfds)")
+    _flag(ignored, "event-log-handler", help="events always go to --event-log (JSON lines)")
+    _flag(ignored, "logs-specs",
+          help="default (torch's DefaultLogsSpecs) only: our own log layout; plugins refused")
+    _flag(ignored, "signals-to-handle",
+          help="fixed: TERM/INT/QUIT stop, HUP reopens logs, USR1/USR2 are forwarded")
     # our own
     _flag(p, "config", dest="config_file", help="TOML config file (flags override it)")
     _flag(p, "health-host", help="health endpoint address (default 0.0.0.0)")

@@ -10,9 +10,6 @@ unread in the kernel (``pending_on``) says which not-yet-read connections hold o
 
 from __future__ import annotations
 
-import supervisor.lean  # noqa: F401  -- before the first aiohttp import
-
-# isort: split
 import asyncio
 import socket
 from collections.abc import Callable, Iterator

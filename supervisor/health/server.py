@@ -15,9 +15,6 @@ checks with the node it names before believing it; without an etcd backend it is
 
 from __future__ import annotations
 
-import supervisor.lean  # noqa: F401  -- before the first aiohttp import
-
-# isort: split
 import json
 import logging
 import socket

@@ -20,9 +20,6 @@ Passwords and tokens are never logged.
 
 from __future__ import annotations
 
-import supervisor.lean  # noqa: F401  -- before the first aiohttp import
-
-# isort: split
 import base64
 import logging
 import os

@@ -13,9 +13,6 @@ exist anyway, are the witnesses.
 
 from __future__ import annotations
 
-import supervisor.lean  # noqa: F401  -- before the first aiohttp import
-
-# isort: split
 import json
 import logging
 import math

@@ -10,9 +10,6 @@ the network was down) even when nothing is in flight.
 
 from __future__ import annotations
 
-import supervisor.lean  # noqa: F401  -- before the first aiohttp import
-
-# isort: split
 import json
 import logging
 import socket

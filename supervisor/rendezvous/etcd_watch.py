@@ -50,9 +50,6 @@ grpc-websocket-proxy): so the streams stay plain POSTs.
 
 from __future__ import annotations
 
-import supervisor.lean  # noqa: F401  -- before the first aiohttp import
-
-# isort: split
 import base64
 import logging
 import time

@@ -11,9 +11,6 @@ itself and, if it confirms, reported to the owner (``on_peer_left(node, round)``
 
 from __future__ import annotations
 
-import supervisor.lean  # noqa: F401  -- before the first aiohttp import
-
-# isort: split
 import json
 import logging
 import math
