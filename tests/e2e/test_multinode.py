@@ -17,10 +17,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import anyio
@@ -353,26 +352,87 @@ async def test_rdzv_conf_exit_barrier_timeout_is_honoured(
 # ---------------------------------------------------------------------- 6-7. etcd outages
 
 
+Outage = Callable[[], Awaitable[None]]  # an etcd fault, over when it returns
+
+
+async def assert_outage_ridden_out(job: Cluster, a: Node, b: Node, outage: Outage,
+                                   quiet: float, *, warns_once: bool = True) -> None:
+    """The etcd-fault template: once both nodes run one group, they run through
+    ``outage`` and ``quiet`` seconds after it with no restart and no membership change,
+    warn once each of the outage (``warns_once``: not checked for a fault that may or
+    may not be an outage), and still coordinate afterwards."""
+    assert_one_group(await job.groups([a, b], 2 * LOCAL), 2)
+    counts = [len(n.events("group_started")) for n in (a, b)]
+    changes = [len(n.events("membership_changed")) for n in (a, b)]
+    pids = a.current_pids() | b.current_pids()
+    await outage()
+    await anyio.sleep(quiet)  # the behaviour under test: nothing happens after it either
+    assert restarts_since([a, b], counts) == [0, 0]
+    # only changes since the fault: forming may have taken two rounds (1:2)
+    assert [len(n.events("membership_changed")) for n in (a, b)] == changes
+    assert all(pid_alive(pid) for pid in pids)
+    if warns_once:
+        for node in (a, b):
+            assert node.sup.err.text().count("etcd unreachable (") == 1, node.sup.err.text()
+    await assert_still_coordinated(job, a, b)
+
+
+def _restart(server: EtcdMember, seconds: float) -> Outage:
+    """A crash (SIGKILL), ``seconds`` with nothing listening on the port, then the same
+    member again (same data dir and port)."""
+    async def outage() -> None:
+        down = time.monotonic()
+        await anyio.to_thread.run_sync(server.kill)
+        await anyio.sleep(seconds)  # the outage under test
+        await anyio.to_thread.run_sync(server.start)
+        await anyio.to_thread.run_sync(server.wait_healthy)
+        print(f"etcd was down for {time.monotonic() - down:.3f} s")
+    return outage
+
+
+def _freeze(members: Sequence[EtcdMember], seconds: float) -> Outage:
+    """Every member stopped (SIGSTOP) for ``seconds``: it holds connections, answers none."""
+    async def outage() -> None:
+        for member in members:
+            assert member.process is not None
+            member.process.send_signal(signal.SIGSTOP)
+        try:
+            await anyio.sleep(seconds)  # the outage under test
+        finally:
+            for member in members:
+                assert member.process is not None
+                member.process.send_signal(signal.SIGCONT)
+    return outage
+
+
+def _quorum_loss(members: Sequence[EtcdMember], seconds: float) -> Outage:
+    """Two of three members crashed for ``seconds`` (no quorum), then back."""
+    async def outage() -> None:
+        down = members[:2]
+        for member in down:
+            await anyio.to_thread.run_sync(member.kill)
+        await anyio.sleep(seconds)  # the outage under test: no quorum
+        for member in down:
+            member.start()
+        for member in down:
+            await anyio.to_thread.run_sync(member.wait_healthy)
+    return outage
+
+
 @pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
 @etcd
 async def test_losing_one_member_of_a_three_member_etcd_restarts_nothing(
         tmp_path: Path, factory: EtcdFactory) -> None:
     members = factory.cluster(3)
     endpoint = ",".join(m.endpoint for m in members)
-    async with cluster(tmp_path, endpoint, nnodes="1:2") as job:
-        a, b = await job.start(2)
-        assert_one_group(await job.groups([a, b], 2 * LOCAL), 2)
-        counts = [len(n.events("group_started")) for n in (a, b)]
-        changes = [len(n.events("membership_changed")) for n in (a, b)]
-        pids = a.current_pids() | b.current_pids()
+
+    async def fault() -> None:
         # every agent talks to the first endpoint until it fails: crash exactly that one
         await anyio.to_thread.run_sync(members[0].kill)
-        await anyio.sleep(2 * TTL)  # the behaviour under test: nothing happens meanwhile
-        assert restarts_since([a, b], counts) == [0, 0]
-        # only changes since the fault: forming may have taken two rounds (1:2)
-        assert [len(n.events("membership_changed")) for n in (a, b)] == changes
-        assert all(pid_alive(pid) for pid in pids)
-        await assert_still_coordinated(job, a, b)
+
+    async with cluster(tmp_path, endpoint, nnodes="1:2") as job:
+        a, b = await job.start(2)
+        await assert_outage_ridden_out(job, a, b, fault, quiet=2 * TTL, warns_once=False)
 
 
 @pytest.mark.xdist_group("load")  # a timing bound: not beside another test's load
@@ -384,22 +444,8 @@ async def test_etcd_frozen_for_less_than_the_lease_ttl_restarts_nothing(
     async with cluster(tmp_path, server.endpoint, nnodes="1:2",
                        conf="last_call_timeout=0.5,lease_ttl=4") as job:
         a, b = await job.start(2)
-        assert_one_group(await job.groups([a, b], 2 * LOCAL), 2)
-        counts = [len(n.events("group_started")) for n in (a, b)]
-        changes = [len(n.events("membership_changed")) for n in (a, b)]
-        pids = a.current_pids() | b.current_pids()
-        assert server.process is not None
-        server.process.send_signal(signal.SIGSTOP)
-        try:
-            await anyio.sleep(2)  # the outage under test
-        finally:
-            server.process.send_signal(signal.SIGCONT)
-        await anyio.sleep(2)  # the behaviour under test: nothing happens after it either
-        assert restarts_since([a, b], counts) == [0, 0]
-        # only changes since the fault: forming may have taken two rounds (1:2)
-        assert [len(n.events("membership_changed")) for n in (a, b)] == changes
-        assert all(pid_alive(pid) for pid in pids)
-        await assert_still_coordinated(job, a, b)
+        await assert_outage_ridden_out(job, a, b, _freeze([server], 2), quiet=2,
+                                       warns_once=False)
 
 
 @etcd
@@ -433,22 +479,8 @@ async def test_etcd_restarted_within_the_lease_ttl_restarts_nothing(
     async with cluster(tmp_path, server.endpoint, nnodes="1:2",
                        conf="last_call_timeout=0.5,lease_ttl=4") as job:
         a, b = await job.start(2)
-        assert_one_group(await job.groups([a, b], 2 * LOCAL), 2)
-        counts = [len(n.events("group_started")) for n in (a, b)]
-        changes = [len(n.events("membership_changed")) for n in (a, b)]
-        pids = a.current_pids() | b.current_pids()
-        down = time.monotonic()
-        await anyio.to_thread.run_sync(server.kill)
-        await anyio.sleep(1)  # the outage under test: nothing listens on the port
-        await anyio.to_thread.run_sync(server.start)  # same data dir and port
-        await anyio.to_thread.run_sync(server.wait_healthy)
-        print(f"etcd was down for {time.monotonic() - down:.3f} s")
-        await anyio.sleep(2)  # the behaviour under test: nothing happens after it either
-        assert restarts_since([a, b], counts) == [0, 0]
-        # only changes since the fault: forming may have taken two rounds (1:2)
-        assert [len(n.events("membership_changed")) for n in (a, b)] == changes
-        assert all(pid_alive(pid) for pid in pids)
-        await assert_still_coordinated(job, a, b)
+        await assert_outage_ridden_out(job, a, b, _restart(server, 1), quiet=2,
+                                       warns_once=False)
 
 
 @etcd
@@ -470,51 +502,12 @@ async def test_etcd_gone_longer_than_the_outage_limit_stops_every_node(
             assert "etcd" in reason and not reason.rstrip().endswith(":"), reason
 
 
-async def assert_outage_ridden_out(job: Cluster, a: Node, b: Node, outage: Any,
-                                   quiet: float) -> None:
-    """Both nodes run through ``outage`` (async) and ``quiet`` seconds after it with no
-    restart and no membership change, warn once each, and still coordinate afterwards."""
-    assert_one_group(await job.groups([a, b], 2 * LOCAL), 2)
-    counts = [len(n.events("group_started")) for n in (a, b)]
-    changes = [len(n.events("membership_changed")) for n in (a, b)]
-    pids = a.current_pids() | b.current_pids()
-    await outage()
-    await anyio.sleep(quiet)  # the behaviour under test: nothing happens after it either
-    assert restarts_since([a, b], counts) == [0, 0]
-    # only changes since the fault: forming may have taken two rounds (1:2)
-    assert [len(n.events("membership_changed")) for n in (a, b)] == changes
-    assert all(pid_alive(pid) for pid in pids)
-    for node in (a, b):
-        assert node.sup.err.text().count("etcd unreachable (") == 1, node.sup.err.text()
-    await assert_still_coordinated(job, a, b)
-
-
 @etcd
 async def test_etcd_gone_longer_than_the_lease_ttl_restarts_nothing_by_default(
         tmp_path: Path, server: EtcdMember) -> None:
-    async def outage() -> None:
-        await anyio.to_thread.run_sync(server.kill)
-        await anyio.sleep(2.5 * TTL)  # the outage under test
-        await anyio.to_thread.run_sync(server.start)
-        await anyio.to_thread.run_sync(server.wait_healthy)
-
     async with cluster(tmp_path, server.endpoint, nnodes="1:2") as job:
         a, b = await job.start(2)
-        await assert_outage_ridden_out(job, a, b, outage, quiet=2 * TTL)
-
-
-def _freeze(members: Sequence[EtcdMember]) -> Any:
-    async def outage() -> None:
-        for member in members:
-            assert member.process is not None
-            member.process.send_signal(signal.SIGSTOP)
-        try:
-            await anyio.sleep(2.5 * TTL)  # the outage under test: every lease is overdue
-        finally:
-            for member in members:
-                assert member.process is not None
-                member.process.send_signal(signal.SIGCONT)
-    return outage
+        await assert_outage_ridden_out(job, a, b, _restart(server, 2.5 * TTL), quiet=2 * TTL)
 
 
 @etcd
@@ -524,20 +517,8 @@ async def test_all_etcd_members_frozen_longer_than_the_lease_ttl_restart_nothing
     endpoint = ",".join(m.endpoint for m in members)
     async with cluster(tmp_path, endpoint, nnodes="1:2") as job:
         a, b = await job.start(2)
-        await assert_outage_ridden_out(job, a, b, _freeze(members), quiet=2 * TTL)
-
-
-def _quorum_loss(members: Sequence[EtcdMember], seconds: float) -> Any:
-    async def outage() -> None:
-        down = members[:2]
-        for member in down:
-            await anyio.to_thread.run_sync(member.kill)
-        await anyio.sleep(seconds)  # the outage under test: no quorum
-        for member in down:
-            member.start()
-        for member in down:
-            await anyio.to_thread.run_sync(member.wait_healthy)
-    return outage
+        # every lease is overdue when they wake
+        await assert_outage_ridden_out(job, a, b, _freeze(members, 2.5 * TTL), quiet=2 * TTL)
 
 
 @etcd
