@@ -1,4 +1,4 @@
-"""Command line: ``elastic-supervisor run|check-config|status``.
+"""Command line: ``elastic-supervisor run|check-config|status|node``.
 
 ``run`` accepts torchrun's flags (dashes or underscores) with the same meaning. Usage
 and config errors print one line and exit 2; they never show a traceback.
