@@ -61,11 +61,6 @@ def _static_notes(s: Settings) -> list[tuple[int, str]]:
             f"store at master_addr {s.master_addr}); --rdzv-backend etcd makes nodes "
             "join, restart and fail together",
         ))
-    if s.preload and not s.no_warm_restart and s.max_restarts == 0:
-        notes.append((logging.WARNING,
-                      f"preload: no effect ({','.join(s.preload)}): max_restarts is 0 and "
-                      "the static backend never restarts for membership, so no standby is "
-                      "started; give --max-restarts N"))
     return notes
 
 
