@@ -10,9 +10,6 @@ ambiguous. A peer's answer is untrusted input: only its ``run_id`` is read, from
 
 from __future__ import annotations
 
-import supervisor.lean  # noqa: F401  -- before the first aiohttp import
-
-# isort: split
 import errno
 import json
 import logging
