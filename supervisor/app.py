@@ -69,6 +69,9 @@ from supervisor.priority import describe as describe_priority
 from supervisor.priority import raise_loop_priority
 from supervisor.rendezvous.base import Rendezvous, RendezvousError
 from supervisor.rendezvous.registry import conf_barrier_timeout, make_rendezvous
+from supervisor.snapshot import ENV_VAR as SNAPSHOT_ENV
+from supervisor.snapshots.channel import Sender
+from supervisor.snapshots.service import build_snapshots
 from supervisor.systemd import (
     NOTIFY_ENV_VARS,
     Notifier,
@@ -223,7 +226,18 @@ async def supervise(
     death = DeathSignal()
     pool = make_pool(settings, rendezvous, environ, death, progress, guardian,
                      fork_server=not embedded, run_dir=log_root / run_id)
+    controller: Controller  # made below; the snapshot socket asks it who a pid is
+
+    def identify(pid: int) -> Sender | None:
+        return identify_worker(controller, pid)
+
+    snapshots = build_snapshots(
+        settings, coordinates_nodes=rendezvous.capabilities.coordinates_nodes,
+        runtime_dir=runtime.path, progress=progress, identify=identify,
+        changed=lambda: view.publish())
     base_env = worker_base_env(environ, settings.local_world_size, cookie)
+    if snapshots is not None:  # the only variable of ours a worker gets
+        base_env[SNAPSHOT_ENV] = str(snapshots.socket_path)
     group = WorkerGroup(
         settings, run_id=run_id, events=events, log_root=log_root, output=output,
         environ=base_env,
@@ -247,9 +261,12 @@ async def supervise(
         service_status=etcd.outage_status if etcd is not None else None,
         members_checked=rendezvous.capabilities.coordinates_nodes or settings.max_nodes == 1,
         node_health=healing,
+        snapshots=snapshots.status if snapshots is not None else None,
     )
     hub = view.hub
     observers: list[Observer] = [_StopNotice(reporter), goodput]
+    if snapshots is not None:  # before the launch it observes: the restore step first
+        observers.insert(0, snapshots)
     controller = Controller(
         settings, rendezvous, group=group, view=view, policy=policy, events=events,
         output=output, progress=progress, observers=observers,
@@ -279,6 +296,8 @@ async def supervise(
             await tg.start(events.retry_pending)
             await tg.start(guardian.run)
             await tg.start(goodput.run)
+            if snapshots is not None:
+                await tg.start(snapshots.run)
             watchdog = None
             health_url: str | None = None
             if timer_file is not None:
@@ -313,6 +332,8 @@ async def supervise(
         receive.close()
         with anyio.CancelScope(shield=True):
             await rendezvous.aclose()
+        if snapshots is not None:
+            snapshots.close()  # the regions: never left behind
         guardian.close()
         owners.close()
         events.close()
@@ -625,6 +646,15 @@ class RuntimeDir:
     def cleanup(self) -> None:
         if self.owned:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+def identify_worker(controller: Controller, pid: int) -> Sender | None:
+    """The live worker of the current attempt that is (or owns) ``pid``, with its ranks."""
+    local_rank = owner_by_ancestry(pid, controller.live_worker_ranks())
+    attempt = controller.attempt
+    if local_rank is None or attempt is None:
+        return None
+    return Sender(pid, local_rank, attempt.layout.rank_offset + local_rank)
 
 
 def worker_base_env(

@@ -98,6 +98,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     node_check_timeout: float = 60.0
     node_check_interval: float = 0.0  # while the workers run (0: never)
     node_check_retry: float = 30.0  # a node failing its check before joining re-checks
+    # training-state snapshots (supervisor.snapshot, docs/snapshots.md)
+    snapshot_memory_dir: str = "/dev/shm"  # a tmpfs: where the regions are made
+    snapshot_memory_limit: str = ""  # the largest snapshot kept, e.g. 4G ("": no limit)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -115,6 +118,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     @property
     def backoff(self) -> tuple[float, float]:
         return _backoff(self.restart_backoff)
+
+    @property
+    def snapshot_limit(self) -> int | None:
+        """``snapshot_memory_limit`` in bytes (None: no limit)."""
+        return _bytes("snapshot_memory_limit", self.snapshot_memory_limit)
 
 
 DEFAULT_HEALTH_PORT: Final = 29480  # used when no flag, file or variable names a port
@@ -152,6 +160,19 @@ def _nproc(text: str) -> int:
         raise ConfigError("nproc_per_node: expected a positive integer, cpu, gpu or auto, "
                           f"got {text!r}")
     return int(text)
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes(key: str, text: str) -> int | None:
+    """A size such as 512M, 4G or 1048576 (bytes); "" is None."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not text.strip():
+        return None
+    if not m or int(m.group(1)) <= 0:
+        raise ConfigError(f"{key}: expected a size such as 512M or 4G, got {text!r}")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
 def _backoff(text: str) -> tuple[float, float]:
@@ -268,7 +289,8 @@ def _validation_message(text: str) -> str:
 
 def validate(s: Settings) -> None:
     """Range and cross-field checks msgspec's types cannot express."""
-    s.min_nodes, s.local_world_size, s.backoff  # noqa: B018  (each raises ConfigError if bad)
+    # each raises ConfigError if bad
+    s.min_nodes, s.local_world_size, s.backoff, s.snapshot_limit  # noqa: B018
     backend = BACKENDS.get(s.rdzv_backend)
     checks: list[tuple[bool, str]] = [
         (s.max_restarts >= 0, f"max_restarts: must be >= 0, got {s.max_restarts}"),

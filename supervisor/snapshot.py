@@ -27,6 +27,7 @@ each the first time: a script using them runs anywhere. ``docs/snapshots.md`` ha
 from __future__ import annotations
 
 import collections
+import importlib
 import io
 import json
 import mmap
@@ -214,7 +215,7 @@ class _Client:
         self.last_step = step
         # the copy is taken: the CRC-32s and the completion run beside the next step
         self.pending = self.background.submit(self._complete, mapped, layout, step,
-                                              str(reply["slot"]))
+                                              int(reply["slot"]))
         return True
 
     def settle(self) -> None:
@@ -231,7 +232,7 @@ class _Client:
                        f"completed: {exc}")
 
     def _complete(self, mapped: mmap.mmap, layout: zipformat.Layout, step: int,
-                  slot: str) -> None:
+                  slot: int) -> None:
         """Checksum what was copied, write the headers, tell the supervisor it is complete."""
         view = memoryview(mapped)
         try:
@@ -279,17 +280,14 @@ class _Client:
             mapped = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
         finally:
             os.close(fd)
-        try:
-            view = memoryview(mapped)
-            if zipformat.directory_checksum(view, size) != reply.get("checksum"):
-                view.release()
-                _warn_once("checksum", f"supervisor.snapshot.load(): step {step} fails "
-                           "its checksum; not restored")
-                return None
-            state = _deserialise(view, size)
-            view.release()
-        finally:
-            mapped.close()
+        # no explicit close: views of the mapping may live on in a traceback; the mapping
+        # goes with the last reference (the supervisor keeps the region for the attempt)
+        view = memoryview(mapped)
+        if zipformat.directory_checksum(view, size) != reply.get("checksum"):
+            _warn_once("checksum", f"supervisor.snapshot.load(): step {step} fails its "
+                       "checksum; not restored")
+            return None
+        state = _deserialise(view, size)
         self.last_step = step if self.last_step is None else max(self.last_step, step)
         return step, state
 
@@ -391,10 +389,11 @@ class _PlainUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         allowed = {f"{t.__module__}.{t.__qualname__}" for t in PLAIN_TYPES}
+        allowed.add("_codecs.encode")  # how protocol 2 pickles bytes (torch allows it too)
         if module == "__builtin__":
             module = "builtins"
         if f"{module}.{name}" in allowed:
-            return getattr(sys.modules[module], name)
+            return getattr(importlib.import_module(module), name)
         raise pickle.UnpicklingError(f"snapshot.load refuses {module}.{name}: a state "
                                      "without tensors holds only plain values")
 

@@ -202,6 +202,7 @@ def status_document(
         },
         "goodput": goodput_json(snapshot.goodput, now_mono, now_wall),
         "node_health": snapshot.node_health,
+        "snapshots": snapshot.snapshots,
         "exit_code": snapshot.exit_code,
         "started_at": snapshot.started_at_wall,
         "uptime": _round(uptime),
