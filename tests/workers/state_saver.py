@@ -9,7 +9,8 @@ one + 1 (or 0). Prints, flushed, one line each:
   restored as ``OUT/restored_R_A.json`` (plain) or checks it against ``expected()`` and
   prints ``rank R tensors ok`` (``--tensors``);
 - ``rank R attempt A saved S True|False``;
-- ``rank R again False`` with ``--again``: a second save of the last step (refused).
+- ``rank R again False`` with ``--again``: a second save of the last step (refused);
+- ``refused: MESSAGE`` with ``--bad sparse|subclass``: a tensor snapshots refuse.
 
 ``--crash-rank R``: in attempt 0, rank R exits 3 after its saves. ``--bytes B``: the state
 also holds B bytes (a full tmpfs, a memory limit). ``--tensors``: the state is
@@ -68,6 +69,23 @@ def check(state: dict[str, Any], step: int) -> None:
         state["base"].untyped_storage().data_ptr()), "aliasing lost"
 
 
+def save_bad(kind: str) -> int:
+    """Try to save a tensor snapshots refuse; print ``refused: MESSAGE``."""
+    import torch
+
+    class Tagged(torch.Tensor):
+        pass
+
+    tensor = (torch.eye(3).to_sparse() if kind == "sparse"
+              else torch.ones(2).as_subclass(Tagged))
+    try:
+        snapshot.save({"w": tensor}, 1)
+    except snapshot.SnapshotError as exc:
+        print(f"refused: {exc}", flush=True)
+        return 0
+    return 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -76,7 +94,10 @@ def main() -> int:
     parser.add_argument("--bytes", type=int, default=0)
     parser.add_argument("--tensors", action="store_true")
     parser.add_argument("--again", action="store_true")
+    parser.add_argument("--bad", choices=["sparse", "subclass"], default=None)
     args = parser.parse_args()
+    if args.bad is not None:
+        return save_bad(args.bad)
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     first, second = snapshot.load(), snapshot.load()
