@@ -71,7 +71,7 @@ from supervisor.rendezvous.base import Rendezvous, RendezvousError
 from supervisor.rendezvous.registry import conf_barrier_timeout, make_rendezvous
 from supervisor.snapshot import ENV_VAR as SNAPSHOT_ENV
 from supervisor.snapshots.channel import Sender
-from supervisor.snapshots.service import build_snapshots
+from supervisor.snapshots.service import SnapshotService, build_snapshots
 from supervisor.systemd import (
     NOTIFY_ENV_VARS,
     Notifier,
@@ -313,7 +313,7 @@ async def supervise(
                 logger.info("health endpoint on http://%s:%d", settings.health_host, port)
                 events.emit("health_listening", host=settings.health_host, port=port)
                 tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog, goodput,
-                              hub, not embedded)
+                              hub, not embedded, snapshots)
                 health_url = f"http://{advertised_host(settings, rendezvous)}:{port}"
             elif not embedded:
                 tg.start_soon(freeze_when_launched, controller)
@@ -500,6 +500,7 @@ async def serve_when_launched(
     goodput: GoodputRecorder,
     hub: SnapshotHub,
     freeze: bool,
+    snapshots: SnapshotService | None = None,
 ) -> None:
     """Serve HTTP once the first group is launched (or SERVE_DEFER passed, for a long
     rendezvous): importing aiohttp and prometheus-client costs ~100 ms, which would
@@ -511,7 +512,8 @@ async def serve_when_launched(
     # (~100 ms here, seconds on a loaded node, which would stamp deadline posts late)
     etcd = controller.rendezvous.etcd_service()
     extra = (("supervisor.rendezvous.etcd_metrics",) if etcd is not None else ()) + (
-        ("supervisor.health.healing_metrics",) if controller.healing is not None else ())
+        ("supervisor.health.healing_metrics",) if controller.healing is not None else ()) + (
+        ("supervisor.health.snapshot_metrics",) if snapshots is not None else ())
     await anyio.to_thread.run_sync(functools.partial(import_modules, *HTTP_STACK, *extra))
     from supervisor.health.metrics import Metrics
     from supervisor.health.server import serve_health
@@ -527,6 +529,10 @@ async def serve_when_launched(
         from supervisor.health.healing_metrics import HealingCollector
 
         metrics.registry.register(HealingCollector(controller.healing))
+    if snapshots is not None:
+        from supervisor.health.snapshot_metrics import SnapshotCollector
+
+        metrics.registry.register(SnapshotCollector(snapshots))
     metrics.watch_loop(lag)
     metrics.watch_event_log(controller.events)
     metrics.watch_output(controller.output.loss)

@@ -186,12 +186,10 @@ class SnapshotService:
     def status(self) -> dict[str, Any]:
         """What /status shows under ``snapshots``."""
         restore = self.table.restore
-        complete = self.table.complete()
         return {
             "memory_bytes": self.table.memory(),
             "directory": str(self.regions.directory),
             "restored_step": restore.step if restore is not None else None,
-            "newest_step": max((s.step or 0 for s in complete), default=None),
             "kept": self.counts.kept,
             "not_kept": {"refused": self.counts.refused, "no_room": self.counts.no_room,
                          "over_limit": self.counts.over_limit},

@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import anyio
@@ -107,6 +108,12 @@ async def test_regions_are_private(tmp_path: Path) -> None:
         assert directory.stat().st_mode & 0o777 == 0o700
         assert {p.stat().st_mode & 0o777 for p in directory.iterdir()} == {0o600}
         assert len(list(directory.iterdir())) == 1
+        port = await sup.serving()
+        status = json.loads(await anyio.to_thread.run_sync(_get, port, "/status"))
+        assert status["snapshots"]["memory_bytes"] == 1 << 20
+        metrics = await anyio.to_thread.run_sync(_get, port, "/metrics")
+        assert "elastic_supervisor_snapshot_memory_bytes 1.048576e+06" in metrics
+        assert "elastic_supervisor_snapshot_saves_total 1.0" in metrics
         (tmp_path / "go").touch()
         assert await finished(sup) == 0
 
@@ -121,6 +128,11 @@ async def test_the_api_outside_a_supervisor_does_nothing_and_says_so_once(
     assert done.stdout.count("saved") == 3 and "True" not in done.stdout
     assert done.stderr.count("load() returns None") == 1
     assert done.stderr.count("save() returns False") == 1
+
+
+def _get(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as response:
+        return str(response.read().decode())
 
 
 def _ask(path: str, payload: bytes) -> dict[str, object]:
