@@ -5,8 +5,9 @@
 Prints ``socket PATH`` (rank 0), then without ``--forge`` waits for ``OUT/go`` (while a
 test speaks to the socket as a process that is no worker, or looks at the regions; with
 ``--save``, rank 0 saves step 1 first and prints ``rank 0 saved True``). With
-``--forge``, on its own connection: a message naming the other rank, a malformed line, a commit nothing reserved,
-then an honest restore query; prints ``rank R <what> refused: <reason>`` or ``ok``.
+``--forge``, on its own connection: a message naming the other rank, a malformed line,
+a commit nothing reserved, then an honest restore query; prints
+``rank R <what> refused: <reason>`` or ``rank R <what> ok``.
 """
 
 from __future__ import annotations
