@@ -22,8 +22,8 @@ step of the next attempt that trains (every rank); crash -> back at the crash's 
 rank holds the state of step 35 again: restored, or recomputed); the step each rank
 restored and the steps redone; the stall per save (everything ``save()`` or the checkpoint
 block does before it returns, every rank, every save: median and p99); the shared memory
-the supervisor holds for snapshots (its ``/metrics``, highest value seen while the job
-runs); the ratio (c)/(b).
+the supervisor's snapshot regions take (their allocated pages in its directory under
+/dev/shm, the highest seen while the job runs); the ratio (c)/(b).
 
 ``--long``: a failure every ``--every`` s (120) for ``--duration`` s (1200) in (b) and
 (c), and the same job without failures and without saves; goodput = the step (b) or (c)
@@ -37,7 +37,6 @@ import contextlib
 import itertools
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -45,7 +44,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -99,7 +97,7 @@ class Run:
     ranks: int
     records: dict[int, list[dict[str, object]]] = field(default_factory=dict)  # by rank
     crashes: list[float] = field(default_factory=list)  # wall clock of crash k
-    shm_peak: float | None = None  # bytes, the supervisor's snapshot memory at its highest
+    shm_peak: int | None = None  # bytes, the supervisor's snapshot regions at their highest
     exit_code: int | None = None
     seconds: float = 0.0
 
@@ -118,7 +116,7 @@ def launch(case: Case, ranks: int, job_args: list[str], deadline_s: float,
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=err, env=launcher_env(), cwd=root,
                                 start_new_session=True)
-    sampler = ShmSampler(root / "err") if case.kind == "ours" else None
+    sampler = ShmSampler(proc.pid) if case.kind == "ours" else None
     try:
         while proc.poll() is None and time.monotonic() - started < deadline_s:
             if callable(stop_when) and stop_when(out):
@@ -170,38 +168,32 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-HEALTH = re.compile(r"health endpoint on http://[^:]+:(\d+)")
-SHM_METRIC = re.compile(r"^elastic_supervisor_snapshot_memory_bytes(?:\{[^}]*\})?\s+(\S+)$",
-                        re.M)
+SHM = Path("/dev/shm")  # the supervisor's --snapshot-memory-dir (its default)
+REGIONS = "elastic-supervisor-snapshots-{pid}-*"  # its private directory of regions
 
 
 class ShmSampler:
-    """The supervisor's snapshot memory (its /metrics), read every 0.5 s: the highest."""
+    """The shared memory the supervisor's snapshot regions take (their allocated pages,
+    in its private directory under /dev/shm), every 0.25 s: the highest."""
 
-    def __init__(self, err: Path) -> None:
-        self.err = err
-        self.peak: float | None = None
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak: int | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
-        port: int | None = None
-        while not self._done.wait(0.5):
-            if port is None:
+        while not self._done.wait(0.25):
+            total = 0
+            for directory in SHM.glob(REGIONS.format(pid=self.pid)):
                 with contextlib.suppress(OSError):
-                    if m := HEALTH.search(self.err.read_text(errors="replace")):
-                        port = int(m.group(1))
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                url = f"http://127.0.0.1:{port}/metrics"
-                with urllib.request.urlopen(url, timeout=2) as resp:
-                    text = resp.read().decode()
-                values = [float(v) for v in SHM_METRIC.findall(text)]
-                if values:
-                    self.peak = max(self.peak or 0.0, sum(values))
+                    for entry in os.scandir(directory):
+                        with contextlib.suppress(OSError):
+                            total += entry.stat(follow_symlinks=False).st_blocks * 512
+            self.peak = max(self.peak or 0, total)
 
-    def stop(self) -> float | None:
+    def stop(self) -> int | None:
         self._done.set()
         self._thread.join(5)
         return self.peak
@@ -328,6 +320,9 @@ def summarise(case: Case, ranks: int, runs: list[Run],
         "step_s": statistics.median(steps) if steps else None,
         "state_mib": size / 2**20 if size else None,
         "shm_mib": max(shm) / 2**20 if shm else None,
+        # against the state it keeps: one per rank, or one per node with replicated
+        "shm_x": max(shm) / (size * (1 if case.mode == "replicated" else ranks))
+        if shm and size else None,
     }
 
 
@@ -372,7 +367,7 @@ def table(rows: list[dict[str, object]]) -> None:
     print("| ranks | case | recovered | crash -> first step s | crash -> back at step "
           f"{CRASH_STEP} s | restored (from) | steps redone | losses bit for bit |"
           " stall per save median / p99 ms (saves) | step s | state per rank MiB |"
-          " snapshot memory MiB |")
+          " snapshot memory MiB (x the state kept) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         restored = ",".join(str(s) for s in r["restored"]) or "-"  # type: ignore[attr-defined]
@@ -384,7 +379,7 @@ def table(rows: list[dict[str, object]]) -> None:
         print(f"| {r['ranks']} | {r['case']} | {r['recovered']}/{r['runs']} | "
               f"{fmt(r['first_step_s'])} | {fmt(r['back_s'])} | {restored} ({source}) | "
               f"{fmt(r['redone'], '.0f')} | {bfb} | {stall} | {fmt(r['step_s'])} | "
-              f"{fmt(r['state_mib'], '.0f')} | {fmt(r['shm_mib'], '.0f')} |")
+              f"{fmt(r['state_mib'], '.0f')} | {fmt(r['shm_mib'], '.0f')} ({fmt(r['shm_x'], '.1f')}) |")
 
 
 def ratios(rows: list[dict[str, object]]) -> None:
