@@ -233,7 +233,7 @@ async def supervise(
 
     snapshots = build_snapshots(
         settings, coordinates_nodes=rendezvous.capabilities.coordinates_nodes,
-        runtime_dir=runtime.path, progress=progress, identify=identify,
+        runtime_dir=runtime.path, run_id=run_id, progress=progress, identify=identify,
         changed=lambda: view.publish())
     base_env = worker_base_env(environ, settings.local_world_size, cookie)
     if snapshots is not None:  # the only variable of ours a worker gets
@@ -320,6 +320,8 @@ async def supervise(
             start_summaries(tg, rendezvous, hub, health_url)
             tg.start_soon(publish_status, hub, reporter)
             result = await controller.run(receive, send)
+            if snapshots is not None:  # the workers are stopped: the newest step to disk
+                await snapshots.finish(settings.shutdown_timeout)
             reporter.publish(hub.current)
             await _close_rendezvous(rendezvous, controller.state)
             if controller.state.phase is sm.Phase.QUARANTINED:  # a c10d host serves on

@@ -101,6 +101,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # training-state snapshots (supervisor.snapshot, docs/snapshots.md)
     snapshot_memory_dir: str = "/dev/shm"  # a tmpfs: where the regions are made
     snapshot_memory_limit: str = ""  # the largest snapshot kept, e.g. 4G ("": no limit)
+    snapshot_dir: str | None = None  # complete steps persisted there, resumed from
+    snapshot_persist_interval: float = 300.0  # seconds between two persisted steps
+    snapshot_resume_any: bool = False  # use a snapshot_dir of another run id
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -334,6 +337,8 @@ def validate(s: Settings) -> None:
     for module in s.preload:
         ok = all(part.isidentifier() for part in module.split("."))
         checks.append((ok, f"preload: {module!r} is not a module name (e.g. torch,torch._dynamo)"))
+    checks.append((s.snapshot_persist_interval > 0,
+                   "snapshot_persist_interval: must be > 0 seconds"))
     checks += [(False, problem) for problem in check_limits(healing_limits(s))]
     checks += [
         (s.node_check_timeout > 0, "node_check_timeout: must be > 0 seconds"),

@@ -47,6 +47,7 @@ class Slot:
     world_size: int = 0  # of the attempt that saved it (per-rank shards fit only it)
     saved_at: float = 0.0  # monotonic time of the commit
     persisting: bool = False
+    from_disk: bool = False  # read back from --snapshot-dir, not saved in this run
 
     @property
     def name(self) -> str:
@@ -79,6 +80,11 @@ class Restore:
     step: int
     slots: dict[int, Slot]  # key -> its slot holding ``step``
     replicated: bool
+
+    @property
+    def source(self) -> str:
+        """Where the state comes from: "memory", or "disk" (``--snapshot-dir``)."""
+        return "disk" if any(s.from_disk for s in self.slots.values()) else "memory"
 
 
 def region_size(size: int) -> int:
@@ -151,6 +157,18 @@ class SlotTable:
             return True
         held = self.restore.slots.get(slot.key) if self.restore is not None else None
         return held is not None and held.index == slot.index
+
+    def adopt(self, key: int, step: int, size: int, world_size: int) -> Slot:
+        """A slot for a step read back from disk (a run that starts with nothing in
+        memory); ``complete`` makes it count once its bytes are in its region."""
+        slots = self.slots.setdefault(key, [])
+        slot = Slot(key, len(slots), 1, region_size(size), SlotState.WRITING, step, size,
+                    world_size=world_size, from_disk=True)
+        slots.append(slot)
+        return slot
+
+    def complete_adopted(self, slot: Slot, checksum: int) -> None:
+        self._put(replace(slot, state=SlotState.COMPLETE, checksum=checksum))
 
     def abandon(self, slot: Slot, previous: Slot | None) -> None:
         """A reservation whose region could not be made: the slot is as it was (a slot

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,9 +24,9 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskStatus
 
-from supervisor.config import Settings
+from supervisor.config import ConfigError, Settings
 from supervisor.core import state as sm
-from supervisor.core.slots import REPLICATED, Held, Refused, Restore, SlotTable
+from supervisor.core.slots import REPLICATED, Held, Refused, Restore, SlotTable, choose
 from supervisor.core.snapshot import ProgressTable
 from supervisor.snapshots.channel import (
     Commit,
@@ -37,6 +38,7 @@ from supervisor.snapshots.channel import (
     SnapshotChannel,
 )
 from supervisor.snapshots.memory import Regions
+from supervisor.snapshots.persist import DirRefused, OnDisk, SnapshotDir, file_size, read_region
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +67,8 @@ class SnapshotService:
         clock: Callable[[], float] = time.monotonic,
         on_restore: Callable[[Restore | None], None] = lambda restore: None,
         changed: Callable[[], None] = lambda: None,
+        disk: SnapshotDir | None = None,
+        persist_interval: float = 300.0,
     ) -> None:
         self.regions = regions
         self.table = SlotTable()
@@ -76,15 +80,28 @@ class SnapshotService:
         self.on_restore = on_restore
         self.changed = changed  # the read model's publish: memory or restore step changed
         self._warned: set[str] = set()
+        self.disk = disk  # --snapshot-dir
+        self.persist_interval = persist_interval
+        self.persisted: int | None = None  # the newest step written to disk
+        self.persist_failures = 0
+        self._persisting = anyio.Lock()
 
     @property
     def socket_path(self) -> Path:
         return self.channel.path
 
     async def run(self, *, task_status: TaskStatus[Path]) -> None:
-        """Serve the socket until cancelled; the regions go with it."""
+        """Read the newest step back from ``--snapshot-dir`` (memory is empty: the run
+        starts), then serve the socket and persist every interval until cancelled; the
+        regions go with it."""
         try:
-            await self.channel.run(task_status=task_status)
+            if self.disk is not None:
+                await self._resume()
+            async with anyio.create_task_group() as tg:
+                path = await tg.start(self.channel.run)
+                if self.disk is not None:
+                    tg.start_soon(self._persist_every)
+                task_status.started(path)
         finally:
             self.close()
 
@@ -182,6 +199,97 @@ class SnapshotService:
             logger.warning("a snapshot save was not kept: %s (further ones are counted)",
                            reason)
 
+    # ------------------------------------------------------------------ the disk
+    async def _resume(self) -> None:
+        """Load the newest complete step of ``--snapshot-dir`` into regions."""
+        assert self.disk is not None
+        try:
+            found = await anyio.to_thread.run_sync(self.disk.newest)
+        except DirRefused as exc:
+            logger.warning("snapshot_dir: not resumed from, not written: %s", exc)
+            self.disk = None
+            return
+        if found is None:
+            return
+        marker = found.marker
+        try:
+            for key in marker.files:
+                await self._adopt(found, key)
+        except OSError as exc:
+            logger.warning("snapshot_dir: cannot read step %d back (%s): starting without "
+                           "it", marker.step, exc.strerror or exc)
+            self._forget_adopted()
+            return
+        self.persisted = marker.step
+        self.table.world_size = marker.world_size
+        logger.info("snapshot_dir: step %d read back from %s", marker.step, found.directory)
+
+    async def _adopt(self, found: OnDisk, key: int) -> None:
+        path = found.path(key)
+        size = await anyio.to_thread.run_sync(file_size, path)
+        slot = self.table.adopt(key, found.marker.step, size, found.marker.world_size)
+        await anyio.to_thread.run_sync(self.regions.make, slot, None)
+        fd = os.open(self.regions.path(slot), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            checksum = await anyio.to_thread.run_sync(read_region, path, size, fd)
+        finally:
+            os.close(fd)
+        if checksum < 0:
+            raise OSError(errno.EINVAL, f"{path} is not a finished snapshot")
+        self.table.complete_adopted(slot, checksum)
+
+    def _forget_adopted(self) -> None:
+        for slot in list(self.table.regions()):
+            self.regions.drop(slot)
+        self.table.slots.clear()
+
+    async def _persist_every(self) -> None:
+        while True:
+            await anyio.sleep(self.persist_interval)
+            await self.persist()
+
+    async def persist(self) -> int | None:
+        """Write the newest step complete for every rank of this node, if newer than the
+        last one written; returns the step written."""
+        async with self._persisting:
+            disk = self.disk
+            restore = choose(self.table.complete(), self.table.world_size)
+            if disk is None or restore is None or (
+                    self.persisted is not None and restore.step <= self.persisted):
+                return None
+            for slot in restore.slots.values():
+                self.table.set_persisting(slot.key, slot.index, True)
+            try:
+                await anyio.to_thread.run_sync(
+                    disk.write, restore.step, restore.slots, self.regions.open_read,
+                    self.table.world_size, restore.replicated, abandon_on_cancel=True)
+            except DirRefused as exc:
+                logger.warning("snapshot_dir: not written: %s", exc)
+                self.disk = None
+                return None
+            except OSError as exc:
+                self.persist_failures += 1
+                if "persist" not in self._warned:
+                    self._warned.add("persist")
+                    logger.warning("snapshot_dir: cannot write step %d (%s); training goes "
+                                   "on, memory keeps the snapshots (further failures are "
+                                   "counted)", restore.step, exc.strerror or exc)
+                return None
+            finally:
+                for slot in restore.slots.values():
+                    self.table.set_persisting(slot.key, slot.index, False)
+            self.persisted = restore.step
+            logger.info("snapshot_dir: step %d written", restore.step)
+            return restore.step
+
+    async def finish(self, timeout: float) -> None:
+        """At the end of the job: persist the newest complete step, within ``timeout``
+        (the previous complete step stays in DIR if time runs out)."""
+        if self.disk is None:
+            return
+        with anyio.move_on_after(timeout):
+            await self.persist()
+
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
         """What /status shows under ``snapshots``."""
@@ -190,6 +298,9 @@ class SnapshotService:
             "memory_bytes": self.table.memory(),
             "directory": str(self.regions.directory),
             "restored_step": restore.step if restore is not None else None,
+            "restored_from": restore.source if restore is not None else None,
+            "persisted_step": self.persisted,
+            "persist_failures": self.persist_failures,
             "kept": self.counts.kept,
             "not_kept": {"refused": self.counts.refused, "no_room": self.counts.no_room,
                          "over_limit": self.counts.over_limit},
@@ -202,6 +313,7 @@ def build_snapshots(
     *,
     coordinates_nodes: bool,
     runtime_dir: Path,
+    run_id: str,
     progress: ProgressTable,
     identify: Identify,
     changed: Callable[[], None],
@@ -221,5 +333,15 @@ def build_snapshots(
                        "a private directory in %s: %s", settings.snapshot_memory_dir,
                        exc.strerror)
         return None
+    disk = None
+    if settings.snapshot_dir:
+        disk = SnapshotDir(Path(settings.snapshot_dir), run_id,
+                           any_run=settings.snapshot_resume_any)
+        try:
+            disk.check()
+        except (OSError, DirRefused) as exc:
+            regions.close()
+            raise ConfigError(f"snapshot_dir: {exc}") from None
     return SnapshotService(regions, runtime_dir / "snapshots.sock", identify, progress,
-                           limit=settings.snapshot_limit, changed=changed)
+                           limit=settings.snapshot_limit, changed=changed, disk=disk,
+                           persist_interval=settings.snapshot_persist_interval)

@@ -12,7 +12,8 @@ one + 1 (or 0). Prints, flushed, one line each:
 - ``rank R again False`` with ``--again``: a second save of the last step (refused);
 - ``refused: MESSAGE`` with ``--bad sparse|subclass``: a tensor snapshots refuse.
 
-``--crash-rank R``: in attempt 0, rank R exits 3 after its saves. ``--bytes B``: the state
+``--crash-rank R``: in attempt 0, rank R exits 3 after its saves. ``--hold``: after its
+saves, print ``rank R holding`` and wait for ``OUT/go``. ``--bytes B``: the state
 also holds B bytes (a full tmpfs, a memory limit). ``--tensors``: the state is
 ``expected(step)``, tensors of several dtypes and shapes (non-contiguous, aliased,
 zero-size), changed in place right after each save returns.
@@ -24,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +97,7 @@ def main() -> int:
     parser.add_argument("--tensors", action="store_true")
     parser.add_argument("--again", action="store_true")
     parser.add_argument("--bad", choices=["sparse", "subclass"], default=None)
+    parser.add_argument("--hold", action="store_true")
     args = parser.parse_args()
     if args.bad is not None:
         return save_bad(args.bad)
@@ -125,6 +128,11 @@ def main() -> int:
               flush=True)
     if attempt == 0 and rank == args.crash_rank:
         return 3
+    if args.hold:
+        snapshot.load()  # returns once the last save is complete (its checksum is told)
+        print(f"rank {rank} holding", flush=True)
+        while not (args.out / "go").exists():
+            time.sleep(0.05)  # its own pace: the test waits on the line above, not this
     return 0
 
 
