@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 MAX_SLOTS = 3
 REPLICATED = -1  # the key of a node's replicated snapshot
-GRAIN = 1 << 20  # region sizes are whole MiB, with room to grow by an eighth
+GRAIN = 1 << 20  # region sizes are whole MiB
 
 
 class SlotState(enum.Enum):
@@ -88,10 +88,10 @@ class Restore:
 
 
 def region_size(size: int) -> int:
-    """The capacity of a region for a snapshot of ``size`` bytes (a state that grows a
-    little needs no new region)."""
-    wanted = size + size // 8
-    return max(GRAIN, (wanted + GRAIN - 1) // GRAIN * GRAIN)
+    """The capacity of a region for a snapshot of ``size`` bytes: whole MiB (a pickle a
+    few bytes longer at the next step needs no new region), no more, so that a rank's
+    three regions stay within three times its state and a MiB each."""
+    return max(GRAIN, (size + GRAIN - 1) // GRAIN * GRAIN)
 
 
 @dataclass

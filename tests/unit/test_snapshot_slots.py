@@ -79,9 +79,10 @@ def test_a_state_that_grows_gets_a_new_region() -> None:
     assert again.slot.name != first.slot.name
 
 
-def test_region_sizes_leave_room_to_grow() -> None:
+def test_regions_are_whole_mib_and_no_bigger() -> None:
     assert region_size(1) == MIB
-    assert region_size(100 * MIB) >= 112 * MIB
+    assert region_size(100 * MIB) == 100 * MIB
+    assert region_size(100 * MIB + 1) == 101 * MIB
 
 
 def test_ranks_one_step_apart_restore_the_common_step() -> None:
