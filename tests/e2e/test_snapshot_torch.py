@@ -9,6 +9,8 @@ import re
 import signal
 import subprocess
 import sys
+import uuid
+from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import pytest
 
 from tests.support import deps
 from tests.support.daemon import Supervised, supervisor
+from tests.support.etcd import EtcdMember
 from tests.support.paths import WORKERS
 
 deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
@@ -27,7 +30,7 @@ WORKER = str(WORKERS / "snapshot_ddp.py")
 STEPS = 10
 LOSS = re.compile(r"rank (\d+) attempt (\d+) step (\d+) loss (\S+)$")
 SAVED = re.compile(r"rank (\d+) attempt (\d+) saved (\d+) (True|False) digest (\w+)$")
-RESTORED = re.compile(r"rank (\d+) attempt (\d+) pid \d+ restored (\d+) digest (\S+)$")
+RESTORED = re.compile(r"rank (\d+) attempt (\d+) pid \d+ world \d+ restored (\d+) digest (\S+)$")
 
 
 @dataclass
@@ -161,3 +164,42 @@ def assert_restored_whole_grown(trace: Trace, reference: Trace) -> int:
     assert trace.saved[(1, step)] == (True, restored)
     assert trace.losses == reference.losses
     return step
+
+
+@pytest.mark.etcd
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("mode", "kept"), [(["--replicated"], True), ([], False)],
+                         ids=["replicated", "per-rank"])
+async def test_a_replicated_state_is_restored_when_the_world_shrinks(
+        tmp_path: Path, server: EtcdMember, mode: list[str], kept: bool) -> None:
+    """Two nodes of one rank each (etcd, --nnodes 1:2) save every step; the node of rank 1
+    leaves after step 4; the other node's next attempt, a world of one, restores step 4
+    from its replicated copy. A per-rank snapshot is a shard of a world of two: the world
+    of one starts from scratch."""
+    run_id = f"snap-{uuid.uuid4().hex[:8]}"
+    async with AsyncExitStack() as stack:
+        nodes: list[Supervised] = []
+        for n in range(2):
+            (tmp_path / f"shm{n}").mkdir()
+            args = ["--tee", "3", "--health-port", "0", "--nnodes", "1:2",
+                    "--nproc-per-node", "1", "--max-restarts", "3", "--rdzv-backend", "etcd",
+                    "--rdzv-endpoint", server.endpoint, "--rdzv-id", run_id,
+                    "--rdzv-conf", "last_call_timeout=1,lease_ttl=5",
+                    "--shutdown-timeout", "5", "--log-dir", str(tmp_path / f"logs{n}"),
+                    "--snapshot-memory-dir", str(tmp_path / f"shm{n}"),
+                    WORKER, str(tmp_path), "--steps", str(STEPS), "--hold", "4", *mode]
+            nodes.append(await stack.enter_async_context(supervisor(args)))
+        ranks = {}
+        for sup in nodes:  # each rank's save of step 4 is complete; they wait for "go"
+            ranks[int((await sup.out.expect(r"rank (\d+) attempt 0 complete 4$",
+                                            timeout=150))[1])] = sup
+        staying, leaving = ranks[0], ranks[1]
+        saved = Trace.of(staying.out.lines).saved[(0, 4)]
+        leaving.signal(signal.SIGTERM)
+        assert await leaving.wait(timeout=30) == 128 + signal.SIGTERM
+        (tmp_path / "go").write_text("")
+        # (the restart count stays 0: a node that left is not a failure, as in torchrun)
+        found = await staying.out.expect(
+            r"rank 0 attempt \d+ pid \d+ world 1 restored (\d+) digest (\S+)$", timeout=150)
+        assert await staying.wait(timeout=150) == 0
+    assert (int(found[1]), found[2]) == ((4, saved[1]) if kept else (0, "-"))

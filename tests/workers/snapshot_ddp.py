@@ -1,7 +1,7 @@
 """A small DDP job (torch CPU, gloo) that keeps its state with ``supervisor.snapshot``.
 
     snapshot_ddp.py OUT [--steps N] [--replicated] [--crash-rank R] [--crash-step S]
-                    [--kill-mid-save S] [--apart S] [--grow]
+                    [--kill-mid-save S] [--apart S] [--hold S] [--grow]
 
 Two ``Linear(32, 32)`` layers with dropout, Adam; the batch of a step is seeded by (data
 position, rank) and dropout draws from torch's global generator (seeded alike on every
@@ -10,8 +10,8 @@ rank and a run resumed from it computes the losses of a run that never failed, b
 bit. Every step ends with ``snapshot.save(state, step)`` (``--replicated``: with
 ``replicated=True``). Prints, flushed:
 
-- ``rank R attempt A pid P restored S digest D`` (S = 0: nothing to restore) once set
-  up, D the digest of the state restored (``-`` for none);
+- ``rank R attempt A pid P world W restored S digest D`` (S = 0: nothing to restore)
+  once set up, D the digest of the state restored (``-`` for none);
 - ``rank R attempt A step S loss HEX`` after each step (the rank's loss, ``float.hex``);
 - ``rank R attempt A saved S True|False digest D`` after each save (D: SHA-256 of the
   state's tensors and values);
@@ -28,6 +28,8 @@ Faults, in attempt 0 only:
   rank said ``rank R attempt 0 complete K``: its last save is complete) and exits 3: the
   ranks hold steps one apart. A save completes in the background after ``save()``
   returns; ``load()`` waits for it first (what a rank calls here to be sure);
+- ``--hold S``: every rank, its save of step S complete, says ``complete S`` and waits for
+  ``OUT/go`` before it trains on (the test changes the job meanwhile);
 - ``--grow``: the state also holds ``grown``, ``arange(256 * 2**step)`` (int64): it grows
   at every save (2 KiB at step 0, 1 MiB at step 9); a restored rank prints
   ``rank R grown ok N`` once it checked it, bit for bit.
@@ -62,6 +64,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--crash-step", type=int, default=-1)
     p.add_argument("--kill-mid-save", type=int, default=-1)
     p.add_argument("--apart", type=int, default=-1)
+    p.add_argument("--hold", type=int, default=-1)
     p.add_argument("--grow", action="store_true")
     return p.parse_args()
 
@@ -136,7 +139,7 @@ def complete(me: str, step: int) -> None:
     say(f"{me} complete {step}")
 
 
-def wait_for(path: Path, timeout: float = 60.0) -> None:
+def wait_for(path: Path, timeout: float = 90.0) -> None:
     """Until ``path`` exists (the test's word), bounded."""
     deadline = time.monotonic() + timeout
     while not path.exists():
@@ -169,7 +172,8 @@ def main() -> None:
         if args.grow:
             assert torch.equal(state["grown"], grown(step)), "grown differs"
             say(f"rank {rank} grown ok {state['grown'].numel()}")
-    say(f"{me} pid {os.getpid()} restored {step} digest {restored_digest}")
+    say(f"{me} pid {os.getpid()} world {dist.get_world_size()} restored {step} "
+        f"digest {restored_digest}")
     ddp = DistributedDataParallel(model)
     while step < args.steps:
         loss = ddp(batch(step, rank)).pow(2).mean()
@@ -187,8 +191,10 @@ def main() -> None:
         state = state_of(model, opt, step, args.grow)
         kept = snapshot.save(state, step, replicated=args.replicated)
         say(f"{me} saved {step} {kept} digest {digest(state)}")
-        if attempt == 0 and step == args.apart:
+        if attempt == 0 and step in (args.apart, args.hold):
             complete(me, step)
+        if attempt == 0 and step == args.hold:
+            wait_for(args.out / "go")
         if faulty and step == args.crash_step:
             os._exit(3)
     dist.barrier()
