@@ -54,6 +54,7 @@ PRELOAD = ("--preload", "torch,torch._dynamo")
 CRASH_STEP = 35
 STEPS = 50
 RESTARTS = 3  # a failed restart (torchrun's often are) gets another go
+PHASES = ("launch", "set-up", "load", "redo")
 RECOVERY_TIMEOUT = 120.0  # s after the crash without the next attempt training: not recovered
 
 
@@ -238,7 +239,22 @@ def recovery(run: Run) -> dict[str, object] | None:
             else:
                 back += [float(str(r["t"])) for r in recs if r["step"] == CRASH_STEP]
         restored_steps = sorted({int(str(r.get("step", 0))) for r in restores.values()})
+        starts = [float(str(recs[0]["t"])) for recs in events(run, "start", attempt).values()
+                  if recs]
+        # the latest rank at each boundary: crash -> its script runs (the launcher) ->
+        # its load starts (interpreter, import torch, init_process_group, the model) ->
+        # its load ends -> back at the crash's step (steps redone)
+        phases = {
+            "launch": max(starts) - t_crash if len(starts) == run.ranks else None,
+            "set-up": max(float(str(r["t0"])) for r in restores.values()) - max(starts)
+            if restores and starts else None,
+            "load": max(float(str(r["t1"])) - float(str(r["t0"])) for r in restores.values())
+            if restores else None,
+            "redo": max(back) - max(float(str(r["t1"])) for r in restores.values())
+            if restores and len(back) == run.ranks else None,
+        }
         return {
+            "phases": phases,
             "attempt": attempt,
             "first_step_s": first - t_crash,
             "back_s": max(back) - t_crash if len(back) == run.ranks else None,
@@ -278,6 +294,10 @@ def bit_for_bit(run: Run, reference: dict[tuple[int, int], str]) -> tuple[bool, 
     return compared > 0, compared
 
 
+def median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -302,6 +322,9 @@ def summarise(case: Case, ranks: int, runs: list[Run],
         values = [float(str(r[key])) for r in recs if r.get(key) is not None]
         return statistics.median(values) if values else None
 
+    phases = {name: median([float(str(split[name])) for r in recs
+                            if isinstance(split := r["phases"], dict) and split[name] is not None])
+              for name in PHASES}
     shm = [run.shm_peak for run in runs if run.shm_peak is not None]
     steps = [t for t in (step_time(run) for run in runs) if t is not None]
     return {
@@ -311,7 +334,7 @@ def summarise(case: Case, ranks: int, runs: list[Run],
         "back_all": [r["back_s"] for r in recs],
         "restored": sorted({s for r in recs for s in r["restored"]}),  # type: ignore[attr-defined]
         "source": sorted({s for r in recs for s in r["source"]}),  # type: ignore[attr-defined]
-        "redone": med("redone"), "load_s": med("load_s"),
+        "redone": med("redone"), "load_s": med("load_s"), "phases": phases,
         "bit_for_bit": all(ok for ok, _ in checks) and bool(checks),
         "compared": sum(n for _, n in checks),
         "saves": len(stalls), "saves_refused": kept.count(False),
@@ -365,10 +388,11 @@ def table(rows: list[dict[str, object]]) -> None:
     print(f"\nCrash after step {CRASH_STEP} of attempt 0 (rank 1 exits 3), {STEPS} steps; "
           "medians over the runs.\n")
     print("| ranks | case | recovered | crash -> first step s | crash -> back at step "
-          f"{CRASH_STEP} s | restored (from) | steps redone | losses bit for bit |"
+          f"{CRASH_STEP} s | of which: launch, set-up, load, redo s | restored (from) |"
+          " steps redone | losses bit for bit |"
           " stall per save median / p99 ms (saves) | step s | state per rank MiB |"
           " snapshot memory MiB (x the state kept) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         restored = ",".join(str(s) for s in r["restored"]) or "-"  # type: ignore[attr-defined]
         source = ",".join(r["source"])  # type: ignore[arg-type]
@@ -376,10 +400,15 @@ def table(rows: list[dict[str, object]]) -> None:
         refused = f", {r['saves_refused']} refused" if r["saves_refused"] else ""
         stall = (f"{fmt(r['stall_median_ms'], '.0f')} / {fmt(r['stall_p99_ms'], '.0f')} "
                  f"({r['saves']}{refused})")
+        phases = r["phases"]
+        assert isinstance(phases, dict)
+        split = ", ".join(fmt(phases[p]) for p in PHASES)
         print(f"| {r['ranks']} | {r['case']} | {r['recovered']}/{r['runs']} | "
-              f"{fmt(r['first_step_s'])} | {fmt(r['back_s'])} | {restored} ({source}) | "
+              f"{fmt(r['first_step_s'])} | {fmt(r['back_s'])} | {split} | "
+              f"{restored} ({source}) | "
               f"{fmt(r['redone'], '.0f')} | {bfb} | {stall} | {fmt(r['step_s'])} | "
-              f"{fmt(r['state_mib'], '.0f')} | {fmt(r['shm_mib'], '.0f')} ({fmt(r['shm_x'], '.1f')}) |")
+              f"{fmt(r['state_mib'], '.0f')} | {fmt(r['shm_mib'], '.0f')} "
+              f"({fmt(r['shm_x'], '.1f')}) |")
 
 
 def ratios(rows: list[dict[str, object]]) -> None:
