@@ -46,6 +46,7 @@ from supervisor.controller import (
 )
 from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads, interpreter, standby_python
+from supervisor.core.slots import Restore
 from supervisor.core.snapshot import ProgressTable
 from supervisor.discovery import announce, local_url
 from supervisor.events import EventLog
@@ -231,10 +232,17 @@ async def supervise(
     def identify(pid: int) -> Sender | None:
         return identify_worker(controller, pid)
 
+    def restored(restore: Restore | None) -> None:
+        if restore is None:
+            return
+        events.emit("snapshot_restored", step=restore.step, source=restore.source,
+                    newest=restore.newest, replicated=restore.replicated)
+        goodput.on_restored(restore.step, restore.newest, restore.saved_at, restore.source)
+
     snapshots = build_snapshots(
         settings, coordinates_nodes=rendezvous.capabilities.coordinates_nodes,
         runtime_dir=runtime.path, run_id=run_id, progress=progress, identify=identify,
-        changed=lambda: view.publish())
+        changed=lambda: view.publish(), on_restore=restored)
     base_env = worker_base_env(environ, settings.local_world_size, cookie)
     if snapshots is not None:  # the only variable of ours a worker gets
         base_env[SNAPSHOT_ENV] = str(snapshots.socket_path)

@@ -317,6 +317,10 @@ def recovery_json(
         "missing": list(record.missing),
         "no_signal": list(record.no_signal),
         "message": record.message or None,
+        "restored_step": record.restored_step,
+        "steps_redone": record.steps_redone,
+        "work_lost": _round6(record.work_lost),
+        "state_from": record.state_from,
     }
 
 

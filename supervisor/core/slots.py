@@ -80,6 +80,14 @@ class Restore:
     step: int
     slots: dict[int, Slot]  # key -> its slot holding ``step``
     replicated: bool
+    newest: int | None = None  # the newest step any rank had saved when it was chosen
+
+    @property
+    def saved_at(self) -> float | None:
+        """When the step was complete on every rank (monotonic; None: read from disk)."""
+        if any(s.from_disk for s in self.slots.values()):
+            return None
+        return max(s.saved_at for s in self.slots.values())
 
     @property
     def source(self) -> str:
@@ -213,7 +221,9 @@ class SlotTable:
                     self._put(replace(slot, state=SlotState.FREE, step=None))
         self.world_size = world_size
         self.floor = {}
-        self.restore = choose(self.complete(), world_size)
+        newest = max((s.step for s in self.complete() if s.step is not None), default=None)
+        restore = choose(self.complete(), world_size)
+        self.restore = None if restore is None else replace(restore, newest=newest)
         chosen = self.restore.step if self.restore is not None else None
         for slot in self.complete():
             if chosen is None or (slot.step or 0) > chosen:  # another timeline's

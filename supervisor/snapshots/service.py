@@ -317,6 +317,7 @@ def build_snapshots(
     progress: ProgressTable,
     identify: Identify,
     changed: Callable[[], None],
+    on_restore: Callable[[Restore | None], None],
 ) -> SnapshotService | None:
     """The node's snapshot service, or None (one warning) where snapshots cannot work:
     the static backend over several nodes (nothing agrees on a step across them), or no
@@ -344,4 +345,5 @@ def build_snapshots(
             raise ConfigError(f"snapshot_dir: {exc}") from None
     return SnapshotService(regions, runtime_dir / "snapshots.sock", identify, progress,
                            limit=settings.snapshot_limit, changed=changed, disk=disk,
+                           on_restore=on_restore,
                            persist_interval=settings.snapshot_persist_interval)

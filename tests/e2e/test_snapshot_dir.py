@@ -36,7 +36,7 @@ async def test_sigterm_persists_the_newest_step_and_a_fresh_run_resumes_from_it(
     disk = tmp_path / "disk"
     async with supervisor(args_for(tmp_path, disk, "--steps", "4", "--hold")) as sup:
         for rank in (0, 1):
-            await sup.out.expect(rf"rank {rank} holding")
+            await sup.out.expect(rf"rank {rank} holding", since=0)
         sup.signal(signal.SIGTERM)
         assert await sup.wait(60) == 128 + signal.SIGTERM
     assert complete_steps(disk) == [3]
@@ -48,7 +48,7 @@ async def test_sigterm_persists_the_newest_step_and_a_fresh_run_resumes_from_it(
     assert zipfile.ZipFile(io.BytesIO(data)).testzip() is None  # every CRC-32 checks
     async with supervisor(args_for(tmp_path, disk, "--steps", "2")) as sup:
         for rank in (0, 1):
-            await sup.out.expect(rf"rank {rank} attempt 0 restored 3$", timeout=30)
+            await sup.out.expect(rf"rank {rank} attempt 0 restored 3$", timeout=30, since=0)
         assert await sup.wait(60) == 0
     for rank in (0, 1):
         restored = json.loads((tmp_path / f"restored_{rank}_0.json").read_text())
@@ -71,7 +71,7 @@ async def test_a_dir_of_another_run_is_not_resumed(tmp_path: Path) -> None:
         {"format": 1, "run_id": "another", "world_size": 2}))
     async with supervisor(args_for(tmp_path, disk, "--steps", "1")) as sup:
         for rank in (0, 1):
-            await sup.out.expect(rf"rank {rank} attempt 0 restored none")
+            await sup.out.expect(rf"rank {rank} attempt 0 restored none", since=0)
         assert await sup.wait(60) == 0
     assert sup.err.text().count("holds run 'another'") == 1
     assert complete_steps(disk) == []  # nor written: the other run's steps stay its own

@@ -41,17 +41,24 @@ async def test_a_plain_state_is_restored_after_a_crash(tmp_path: Path) -> None:
             SAVER, str(tmp_path), "--steps", "3", "--crash-rank", "1"]
     async with supervisor(args) as sup:
         for rank in (0, 1):
-            await sup.out.expect(rf"rank {rank} attempt 0 saved 2 True")
+            await sup.out.expect(rf"rank {rank} attempt 0 saved 2 True", since=0)
         for rank in (0, 1):
-            await sup.out.expect(rf"rank {rank} attempt 1 restored 2$", timeout=30)
+            await sup.out.expect(rf"rank {rank} attempt 1 restored 2$", timeout=30, since=0)
         for rank in (0, 1):
-            await sup.out.expect(rf"rank {rank} attempt 1 saved 5 True")
+            await sup.out.expect(rf"rank {rank} attempt 1 saved 5 True", since=0)
         assert await finished(sup) == 0
     for rank in (0, 1):
         restored = json.loads((tmp_path / f"restored_{rank}_1.json").read_text())
         assert restored["rank"] == rank and restored["step"] == 2
         assert restored["nested"] == {"list": [1, 2.5, "x", None, True], "tuple": [2, "t"]}
     assert regions_left(shm) == []  # freed when the job ended
+    lines = [json.loads(line) for line in
+             (tmp_path / "logs" / "none" / "events.jsonl").read_text().splitlines()]
+    (chosen,) = [e for e in lines if e["event"] == "snapshot_restored"]
+    assert chosen["step"] == 2 and chosen["source"] == "memory" and chosen["newest"] == 2
+    (recovered,) = [e for e in lines if e["event"] == "recovered"]
+    assert recovered["restored_step"] == 2 and recovered["steps_redone"] == 0
+    assert recovered["state_from"] == "memory" and recovered["work_lost"] >= 0
 
 
 async def test_a_step_not_above_the_last_is_refused(tmp_path: Path) -> None:
@@ -80,7 +87,7 @@ async def test_a_full_tmpfs_refuses_the_save_cleanly(tmp_path: Path) -> None:
                 "--bytes", str(8 << 20)]
         async with supervisor(args) as sup:
             for rank in (0, 1):
-                await sup.out.expect(rf"rank {rank} attempt 0 saved 2 False")
+                await sup.out.expect(rf"rank {rank} attempt 0 saved 2 False", since=0)
             assert await finished(sup) == 0  # no SIGBUS, no failure: training went on
         assert "no room" in sup.err.text()
         assert regions_left(shm) == []
@@ -165,10 +172,11 @@ async def test_forged_and_malformed_messages_are_refused_and_counted(tmp_path: P
     args = [*BASE, *memory_args(shm), str(WORKERS / "forger.py"), str(tmp_path), "--forge"]
     async with supervisor(args) as sup:
         for rank in (0, 1):
-            await sup.out.expect(rf"rank {rank} forged refused: .*is rank {rank}, not rank")
-            await sup.out.expect(rf"rank {rank} malformed refused: malformed")
-            await sup.out.expect(rf"rank {rank} bogus commit refused")
-            await sup.out.expect(rf"rank {rank} own restore ok")
+            await sup.out.expect(rf"rank {rank} forged refused: .*is rank {rank}, not rank",
+                                 since=0)
+            await sup.out.expect(rf"rank {rank} malformed refused: malformed", since=0)
+            await sup.out.expect(rf"rank {rank} bogus commit refused", since=0)
+            await sup.out.expect(rf"rank {rank} own restore ok", since=0)
         assert await finished(sup) == 0
     log = sup.err.text()
     assert log.count("snapshot socket: pid") == 1  # one line, the rest counted

@@ -27,8 +27,8 @@ async def test_tensors_come_back_bit_for_bit_after_a_crash(tmp_path: Path) -> No
             "--crash-rank", "0"]
     async with supervisor(args) as sup:
         for rank in (0, 1):
-            await sup.out.expect(rf"rank {rank} attempt 1 restored 2$", timeout=60)
-            await sup.out.expect(rf"rank {rank} tensors ok", timeout=30)
+            await sup.out.expect(rf"rank {rank} attempt 1 restored 2$", timeout=60, since=0)
+            await sup.out.expect(rf"rank {rank} tensors ok", timeout=30, since=0)
         assert await sup.wait(60) == 0
 
 

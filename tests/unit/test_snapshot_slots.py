@@ -220,3 +220,15 @@ def test_a_region_that_could_not_be_made_is_as_before() -> None:
     table.abandon(reserved.slot, None)
     assert table.memory() == 0
     assert isinstance(table.reserve(0, 2, MIB), Reserved)
+
+
+def test_the_restore_says_the_newest_step_saved_and_when_its_step_was_complete() -> None:
+    table = SlotTable()
+    table.decide(2)
+    for step in (1, 2, 3):
+        saved(table, 0, step)
+    for step in (1, 2):
+        saved(table, 1, step)
+    restore = table.decide(2)
+    assert restore is not None and restore.newest == 3 and restore.saved_at == 2.0
+    assert restore.source == "memory"
