@@ -242,7 +242,8 @@ async def supervise(
     snapshots = build_snapshots(
         settings, coordinates_nodes=rendezvous.capabilities.coordinates_nodes,
         runtime_dir=runtime.path, run_id=run_id, progress=progress, identify=identify,
-        changed=lambda: view.publish(), on_restore=restored)
+        changed=lambda: view.publish(), on_restore=restored,
+        nodes=lambda: controller.round.group_world_size if controller.round else 1)
     base_env = worker_base_env(environ, settings.local_world_size, cookie)
     if snapshots is not None:  # the only variable of ours a worker gets
         base_env[SNAPSHOT_ENV] = str(snapshots.socket_path)

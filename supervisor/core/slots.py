@@ -230,6 +230,13 @@ class SlotTable:
                 self._put(replace(slot, state=SlotState.FREE, step=None))
         return self.restore
 
+    def forget(self) -> None:
+        """No restore after all: every complete snapshot is dropped (the attempt starts a
+        new timeline)."""
+        self.restore = None
+        for slot in self.complete():
+            self._put(replace(slot, state=SlotState.FREE, step=None))
+
     def complete(self) -> list[Slot]:
         return [s for slots in self.slots.values() for s in slots
                 if s.state is SlotState.COMPLETE]

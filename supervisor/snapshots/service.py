@@ -69,6 +69,7 @@ class SnapshotService:
         changed: Callable[[], None] = lambda: None,
         disk: SnapshotDir | None = None,
         persist_interval: float = 300.0,
+        nodes: Callable[[], int] = lambda: 1,
     ) -> None:
         self.regions = regions
         self.table = SlotTable()
@@ -85,6 +86,7 @@ class SnapshotService:
         self.persisted: int | None = None  # the newest step written to disk
         self.persist_failures = 0
         self._persisting = anyio.Lock()
+        self.nodes = nodes  # nodes in the round being launched
 
     @property
     def socket_path(self) -> Path:
@@ -121,9 +123,20 @@ class SnapshotService:
         return None
 
     def decide(self, world_size: int) -> Restore | None:
-        """The step the attempt about to launch restores (its workers are not started)."""
+        """The step the attempt about to launch restores (its workers are not started).
+
+        Over several nodes nothing agrees on one step yet (the round's result does not
+        carry it): every node restoring what it alone holds could restore different
+        steps, so such an attempt restores nothing (one warning)."""
         dropped = list(self.table.regions())
         restore = self.table.decide(world_size)
+        if restore is not None and self.nodes() > 1:
+            if "nodes" not in self._warned:
+                self._warned.add("nodes")
+                logger.warning("snapshots: not restored: agreeing on one step across nodes "
+                               "is not built yet; the attempt starts without a snapshot")
+            self.table.forget()  # what this node held: another timeline from now on
+            restore = None
         kept = {(s.key, s.index) for s in self.table.regions()}
         for slot in dropped:
             if (slot.key, slot.index) not in kept:
@@ -318,6 +331,7 @@ def build_snapshots(
     identify: Identify,
     changed: Callable[[], None],
     on_restore: Callable[[Restore | None], None],
+    nodes: Callable[[], int] = lambda: 1,
 ) -> SnapshotService | None:
     """The node's snapshot service, or None (one warning) where snapshots cannot work:
     the static backend over several nodes (nothing agrees on a step across them), or no
@@ -345,5 +359,5 @@ def build_snapshots(
             raise ConfigError(f"snapshot_dir: {exc}") from None
     return SnapshotService(regions, runtime_dir / "snapshots.sock", identify, progress,
                            limit=settings.snapshot_limit, changed=changed, disk=disk,
-                           on_restore=on_restore,
+                           on_restore=on_restore, nodes=nodes,
                            persist_interval=settings.snapshot_persist_interval)

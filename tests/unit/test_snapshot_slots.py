@@ -232,3 +232,13 @@ def test_the_restore_says_the_newest_step_saved_and_when_its_step_was_complete()
     restore = table.decide(2)
     assert restore is not None and restore.newest == 3 and restore.saved_at == 2.0
     assert restore.source == "memory"
+
+
+def test_forgetting_drops_every_complete_snapshot_and_the_restore() -> None:
+    table = SlotTable()
+    table.decide(1)
+    saved(table, 0, 4)
+    assert table.decide(1) is not None
+    table.forget()
+    assert table.restore is None and steps(table, 0) == []
+    saved(table, 0, 0)  # a new timeline, from its own first step
