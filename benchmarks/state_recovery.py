@@ -44,6 +44,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,7 +56,7 @@ CRASH_STEP = 35
 STEPS = 50
 RESTARTS = 3  # a failed restart (torchrun's often are) gets another go
 PHASES = ("launch", "set-up", "load", "redo")
-RECOVERY_TIMEOUT = 120.0  # s after the crash without the next attempt training: not recovered
+RECOVERY_TIMEOUT = 300.0  # s after the crash without the next attempt training: not recovered
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,8 @@ CASES = (
 REFERENCE = Case("reference: no failure, no saves", "torchrun", "none")
 
 
-def command(case: Case, ranks: int, logs: Path) -> list[str]:
-    common = ["--nproc-per-node", str(ranks), "--max-restarts", str(RESTARTS),
+def command(case: Case, ranks: int, logs: Path, restarts: int) -> list[str]:
+    common = ["--nproc-per-node", str(ranks), "--max-restarts", str(restarts),
               "--log-dir", str(logs)]
     if case.kind == "ours":
         ensure_bytecode()
@@ -104,12 +105,12 @@ class Run:
 
 
 def launch(case: Case, ranks: int, job_args: list[str], deadline_s: float,
-           stop_when: object = None) -> Run:
-    """Run the case until the launcher exits, ``stop_when(out)`` is true or the deadline."""
+           stop_when: Callable[[], bool] | None = None, restarts: int = RESTARTS) -> Run:
+    """Run the case until the launcher exits, ``stop_when()`` is true or the deadline."""
     root = Path(tempfile.mkdtemp(prefix="state-recovery-"))
     out = root / "out"
     out.mkdir()
-    argv = [*command(case, ranks, root / "logs"), str(JOB), str(out), "--mode", case.mode,
+    argv = [*command(case, ranks, root / "logs", restarts), str(JOB), str(out), "--mode", case.mode,
             *job_args]
     run = Run(case, ranks)
     started = time.monotonic()
@@ -120,7 +121,7 @@ def launch(case: Case, ranks: int, job_args: list[str], deadline_s: float,
     sampler = ShmSampler(proc.pid) if case.kind == "ours" else None
     try:
         while proc.poll() is None and time.monotonic() - started < deadline_s:
-            if callable(stop_when) and stop_when(out):
+            if stop_when is not None and stop_when():
                 break
             if not_recovering(out):
                 break
@@ -447,12 +448,15 @@ def long_run(a: argparse.Namespace) -> list[dict[str, object]]:
         t0 = time.time() + 1.0
         crash = ["--crash-every", str(a.every), "--t0", str(t0)] if case is not REFERENCE else []
         args = ["--steps", "0", "--crash-step", "-1", *crash]
-        done = {"t": t0 + a.duration}
+        end = t0 + a.duration
+
+        def over(end: float = end) -> bool:
+            return time.time() > end
+
         run = launch(Case(case.name, "ours", case.mode) if case is REFERENCE else case, ranks,
-                     args, deadline_s=a.duration + 120,
-                     stop_when=lambda _out, done=done: time.time() > done["t"])
+                     args, deadline_s=a.duration + 120, stop_when=over, restarts=1000)
         steps = [int(str(r["step"])) for recs in events(run, "step").values() for r in recs
-                 if float(str(r["t"])) <= done["t"]]
+                 if float(str(r["t"])) <= end]
         reached[case.name] = max(steps, default=0)
         log(f"long, {case.name}: step {reached[case.name]} at {a.duration:.0f} s, "
             f"{len(run.crashes)} failures")
