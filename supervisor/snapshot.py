@@ -108,7 +108,9 @@ def __getattr__(name: str) -> Any:
     (None: nothing to restore, and ``dcp.load`` raises).
     """
     if name in ("Writer", "Reader"):
-        raise NotImplementedError(f"snapshot.{name} (DCP) is not available yet")
+        from supervisor import snapshot_dcp
+
+        return getattr(snapshot_dcp, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -77,3 +77,21 @@ def test_the_snapshot_layout_is_a_torch_save_file(tmp_path: Path) -> None:
     assert torch.equal(loaded["w"], state["w"]) and loaded["w"].stride() == (1, 3)
     assert loaded["n"] == [1, "x"] and loaded["e"].numel() == 0
     assert torch.load(path, weights_only=True, mmap=True)["w"].sum() == 15
+
+
+@pytest.mark.xdist_group("torch")
+async def test_dcp_keeps_a_sharded_dtensor_state_in_memory_across_a_restart(
+        tmp_path: Path) -> None:
+    """dcp.save through snapshot.Writer, a crash, dcp.load through snapshot.Reader: each
+    rank gets its shard of the step both ranks completed, bit for bit."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    args = [*BASE, "--nproc-per-node", "2", "--max-restarts", "1",
+            "--snapshot-memory-dir", str(shm), str(WORKERS / "dcp_saver.py")]
+    async with supervisor(args) as sup:
+        for rank in (0, 1):
+            await sup.out.expect(rf"rank {rank} saved 2 True", timeout=90, since=0)
+        for rank in (0, 1):
+            await sup.out.expect(rf"rank {rank} attempt 1 restored 2$", timeout=90, since=0)
+            await sup.out.expect(rf"rank {rank} dcp ok 2", timeout=60, since=0)
+        assert await sup.wait(120) == 0
