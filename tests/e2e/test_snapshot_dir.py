@@ -16,14 +16,14 @@ from tests.support.paths import WORKERS
 from tests.support.tmpfs import fill, small_tmpfs
 
 SAVER = str(WORKERS / "state_saver.py")
-BASE = ["--health-port", "0", "--shutdown-timeout", "5", "--nproc-per-node", "2"]
+BASE = ["--health-port", "0", "--shutdown-timeout", "5"]
 
 
-def args_for(tmp_path: Path, disk: Path, *extra: str, flags: tuple[str, ...] = ()
-             ) -> list[str]:
+def args_for(tmp_path: Path, disk: Path, *extra: str, flags: tuple[str, ...] = (),
+             nproc: int = 2) -> list[str]:
     shm = tmp_path / "shm"
     shm.mkdir(exist_ok=True)
-    return [*BASE, "--snapshot-memory-dir", str(shm), "--snapshot-dir", str(disk),
+    return [*BASE, "--nproc-per-node", str(nproc), "--snapshot-memory-dir", str(shm), "--snapshot-dir", str(disk),
             "--log-dir", str(tmp_path / "logs"), *flags, SAVER, str(tmp_path), *extra]
 
 
@@ -122,3 +122,14 @@ async def test_a_full_dir_warns_once_and_training_goes_on(tmp_path: Path) -> Non
         assert sup.err.text().count("snapshot_dir: cannot write") == 1
         assert complete_steps(disk) == []
         assert not list(disk.glob("step_*/node0/*.part"))
+
+
+async def test_per_rank_steps_of_another_world_size_are_not_resumed(tmp_path: Path) -> None:
+    """Per-rank snapshots are shards of a world of two: a world of one starts afresh."""
+    disk = tmp_path / "disk"
+    async with supervisor(args_for(tmp_path, disk, "--steps", "2")) as sup:
+        assert await sup.wait(60) == 0
+    assert complete_steps(disk) == [1]
+    async with supervisor(args_for(tmp_path, disk, "--steps", "1", nproc=1)) as sup:
+        await sup.out.expect(r"rank 0 attempt 0 restored none", timeout=30)
+        assert await sup.wait(60) == 0
