@@ -24,7 +24,8 @@ from tests.support.paths import WORKERS
 deps.need_module("torch")  # skips with how to install it (fails under .ci/run)
 # torch training jobs (gloo, several ranks) each load both cores: one at a time, with the
 # other torch jobs (tests/README.md)
-pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("torch")]
+# the first test also waits for the reference run (a torch job of its own)
+pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("torch"), pytest.mark.timeout(240)]
 
 WORKER = str(WORKERS / "snapshot_ddp.py")
 STEPS = 10
@@ -203,3 +204,36 @@ async def test_a_replicated_state_is_restored_when_the_world_shrinks(
             r"rank 0 attempt \d+ pid \d+ world 1 restored (\d+) digest (\S+)$", timeout=150)
         assert await staying.wait(timeout=150) == 0
     assert (int(found[1]), found[2]) == ((4, saved[1]) if kept else (0, "-"))
+
+
+DCP_SAVED = re.compile(r"rank (\d+) attempt (\d+) saved (\d+) digest (\w+)$")
+DCP_RESTORED = re.compile(r"rank (\d+) attempt 1 restored (\d+) digest (\S+)$")
+
+
+async def test_dcp_keeps_and_restores_a_sharded_state_in_memory(tmp_path: Path) -> None:
+    """FSDP2 (``fully_shard``, CPU, gloo) on 2 ranks saves its DTensor state dicts with
+    ``dcp.save(..., storage_writer=snapshot.Writer(step=N))`` every step; rank 1 exits 3
+    after step 4; each rank restores its own shards of one step with ``snapshot.Reader``,
+    bit for bit, and the steps redone save the very states saved before the failure."""
+    (tmp_path / "shm").mkdir()
+    args = ["--tee", "3", "--health-port", "0", "--nproc-per-node", "2", "--max-restarts", "1",
+            "--log-dir", str(tmp_path / "logs"), "--snapshot-memory-dir", str(tmp_path / "shm"),
+            str(WORKERS / "snapshot_dcp.py"), str(tmp_path), "--steps", "6",
+            "--crash-step", "4"]
+    async with supervisor(args) as sup:
+        assert await sup.wait(timeout=90) == 0
+    saved: dict[tuple[int, int, int], str] = {}  # (attempt, rank, step) -> digest
+    restored: dict[int, tuple[int, str]] = {}
+    for line in sup.out.lines:
+        if m := DCP_SAVED.search(line):
+            saved[(int(m[2]), int(m[1]), int(m[3]))] = m[4]
+        elif m := DCP_RESTORED.search(line):
+            restored[int(m[1])] = (int(m[2]), m[3])
+    steps = {step for step, _ in restored.values()}
+    assert len(steps) == 1 and steps <= {3, 4}, restored
+    for rank, (step, digest) in restored.items():
+        assert digest == saved[(0, rank, step)]  # its own shards, not its peer's
+    again = [key for key in saved if key[0] == 1 and (0, *key[1:]) in saved]
+    for _, rank, step in again:  # the steps redone (if any) computed the same states
+        assert saved[(1, rank, step)] == saved[(0, rank, step)]
+    assert {rank for _, rank, step in saved if step == 6} == {0, 1}
