@@ -230,7 +230,7 @@ async def test_dcp_keeps_and_restores_a_sharded_state_in_memory(tmp_path: Path) 
         elif m := DCP_RESTORED.search(line):
             restored[int(m[1])] = (int(m[2]), m[3])
     steps = {step for step, _ in restored.values()}
-    assert len(steps) == 1 and steps <= {3, 4}, restored
+    assert set(restored) == {0, 1} and len(steps) == 1 and steps <= {3, 4}, restored
     for rank, (step, digest) in restored.items():
         assert digest == saved[(0, rank, step)]  # its own shards, not its peer's
     again = [key for key in saved if key[0] == 1 and (0, *key[1:]) in saved]
