@@ -23,8 +23,9 @@ def args_for(tmp_path: Path, disk: Path, *extra: str, flags: tuple[str, ...] = (
              nproc: int = 2) -> list[str]:
     shm = tmp_path / "shm"
     shm.mkdir(exist_ok=True)
-    return [*BASE, "--nproc-per-node", str(nproc), "--snapshot-memory-dir", str(shm), "--snapshot-dir", str(disk),
-            "--log-dir", str(tmp_path / "logs"), *flags, SAVER, str(tmp_path), *extra]
+    return [*BASE, "--nproc-per-node", str(nproc), "--snapshot-memory-dir", str(shm),
+            "--snapshot-dir", str(disk), "--log-dir", str(tmp_path / "logs"), *flags, SAVER,
+            str(tmp_path), *extra]
 
 
 def complete_steps(disk: Path) -> list[int]:
