@@ -72,7 +72,7 @@ from supervisor.rendezvous.base import Rendezvous, RendezvousError
 from supervisor.rendezvous.registry import conf_barrier_timeout, make_rendezvous
 from supervisor.snapshot import ENV_VAR as SNAPSHOT_ENV
 from supervisor.snapshots.channel import Sender
-from supervisor.snapshots.service import SnapshotService, build_snapshots
+from supervisor.snapshots.service import SnapshotService, build_snapshots, open_snapshot_dir
 from supervisor.systemd import (
     NOTIFY_ENV_VARS,
     Notifier,
@@ -190,6 +190,7 @@ async def supervise(
     try:
         if timer_file is not None:
             check_timer_file(timer_file)
+        snapshot_disk = open_snapshot_dir(settings, run_id)  # owned by us, or exit 2
         # bound before anything joins a rendezvous: a busy or unusable port ends the start
         # here, with one line, instead of after this node was counted in by the others
         sock = None if settings.no_health else open_health_socket(settings)
@@ -215,18 +216,6 @@ async def supervise(
     progress = ProgressTable()
     if not embedded:
         set_child_subreaper()
-    cookie = uuid.uuid4().hex
-    # the guardian also removes the runtime directory if we die (a SIGKILL skips cleanup)
-    guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None)
-    # a line matching --progress-pattern is progress when a rank posts no deadlines
-    output.on_progress_line = lambda local_rank: progress.touch_output(local_rank,
-                                                                       time.monotonic())
-    send, receive = anyio.create_memory_object_stream[sm.Event | ForwardSignal | ReopenLogs](
-        max_buffer_size=4096
-    )
-    death = DeathSignal()
-    pool = make_pool(settings, rendezvous, environ, death, progress, guardian,
-                     fork_server=not embedded, run_dir=log_root / run_id)
     controller: Controller  # made below; the snapshot socket asks it who a pid is
 
     def identify(pid: int) -> Sender | None:
@@ -241,9 +230,24 @@ async def supervise(
 
     snapshots = build_snapshots(
         settings, coordinates_nodes=rendezvous.capabilities.coordinates_nodes,
-        runtime_dir=runtime.path, run_id=run_id, progress=progress, identify=identify,
+        runtime_dir=runtime.path, progress=progress, identify=identify,
         changed=lambda: view.publish(), on_restore=restored,
-        nodes=lambda: controller.round.group_world_size if controller.round else 1)
+        nodes=lambda: controller.round.group_world_size if controller.round else 1,
+        disk=snapshot_disk)
+    cookie = uuid.uuid4().hex
+    # the guardian also removes the runtime directory and the snapshot regions if we die
+    # (a SIGKILL skips every cleanup)
+    guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None,
+                        also_remove=[snapshots.regions.directory] if snapshots else [])
+    # a line matching --progress-pattern is progress when a rank posts no deadlines
+    output.on_progress_line = lambda local_rank: progress.touch_output(local_rank,
+                                                                       time.monotonic())
+    send, receive = anyio.create_memory_object_stream[sm.Event | ForwardSignal | ReopenLogs](
+        max_buffer_size=4096
+    )
+    death = DeathSignal()
+    pool = make_pool(settings, rendezvous, environ, death, progress, guardian,
+                     fork_server=not embedded, run_dir=log_root / run_id)
     base_env = worker_base_env(environ, settings.local_world_size, cookie)
     if snapshots is not None:  # the only variable of ours a worker gets
         base_env[SNAPSHOT_ENV] = str(snapshots.socket_path)

@@ -321,17 +321,31 @@ class SnapshotService:
         }
 
 
+def open_snapshot_dir(settings: Settings, run_id: str) -> SnapshotDir | None:
+    """``--snapshot-dir``, made if missing and checked to be this user's; a one-line
+    ``ConfigError`` (exit 2) otherwise. A start-up check: before anything runs."""
+    if not settings.snapshot_dir:
+        return None
+    disk = SnapshotDir(Path(settings.snapshot_dir), run_id,
+                       any_run=settings.snapshot_resume_any)
+    try:
+        disk.check()
+    except (OSError, DirRefused) as exc:
+        raise ConfigError(f"snapshot_dir: {exc}") from None
+    return disk
+
+
 def build_snapshots(
     settings: Settings,
     *,
     coordinates_nodes: bool,
     runtime_dir: Path,
-    run_id: str,
     progress: ProgressTable,
     identify: Identify,
     changed: Callable[[], None],
     on_restore: Callable[[Restore | None], None],
     nodes: Callable[[], int] = lambda: 1,
+    disk: SnapshotDir | None = None,
 ) -> SnapshotService | None:
     """The node's snapshot service, or None (one warning) where snapshots cannot work:
     the static backend over several nodes (nothing agrees on a step across them), or no
@@ -348,15 +362,6 @@ def build_snapshots(
                        "a private directory in %s: %s", settings.snapshot_memory_dir,
                        exc.strerror)
         return None
-    disk = None
-    if settings.snapshot_dir:
-        disk = SnapshotDir(Path(settings.snapshot_dir), run_id,
-                           any_run=settings.snapshot_resume_any)
-        try:
-            disk.check()
-        except (OSError, DirRefused) as exc:
-            regions.close()
-            raise ConfigError(f"snapshot_dir: {exc}") from None
     return SnapshotService(regions, runtime_dir / "snapshots.sock", identify, progress,
                            limit=settings.snapshot_limit, changed=changed, disk=disk,
                            on_restore=on_restore, nodes=nodes,

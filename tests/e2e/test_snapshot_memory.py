@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -181,3 +182,17 @@ async def test_forged_and_malformed_messages_are_refused_and_counted(tmp_path: P
     log = sup.err.text()
     assert log.count("snapshot socket: pid") == 1  # one line, the rest counted
     assert log.count("snapshot socket: malformed") == 1
+
+
+async def test_a_supervisor_killed_by_sigkill_leaves_no_regions(tmp_path: Path) -> None:
+    """Nothing of the supervisor runs after a SIGKILL: its guardian frees the memory."""
+    shm = tmp_path / "shm"
+    async with supervisor([*BASE, *memory_args(shm), str(WORKERS / "forger.py"),
+                           str(tmp_path), "--save"]) as sup:
+        await sup.out.expect(r"rank 0 saved True")
+        assert regions_left(shm) != []
+        sup.signal(signal.SIGKILL)
+        await sup.wait()
+        with anyio.fail_after(15):
+            while regions_left(shm):
+                await anyio.sleep(0.02)  # a removal by another process: no event to wait on
