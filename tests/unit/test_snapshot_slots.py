@@ -242,3 +242,16 @@ def test_forgetting_drops_every_complete_snapshot_and_the_restore() -> None:
     table.forget()
     assert table.restore is None and steps(table, 0) == []
     saved(table, 0, 0)  # a new timeline, from its own first step
+
+
+def test_a_save_is_progress_for_readiness_and_goodput_but_not_liveness() -> None:
+    from supervisor.core.snapshot import ProgressTable
+
+    table = ProgressTable()
+    heard: list[tuple[int, int, float]] = []
+    table.listeners.append(lambda attempt, rank, at: heard.append((attempt, rank, at)))
+    table.reset(1)
+    table.touch_save(0, 5.0)
+    table.touch_save(0, 6.0)  # only the first per attempt is news
+    assert heard == [(1, 0, 5.0)] and table.shown() == {0}
+    assert table.view() == {}  # liveness judges deadline posts only

@@ -51,3 +51,4 @@ def test_a_size_that_is_not_a_finished_snapshot_has_no_checksum() -> None:
     view = memoryview(buffer)
     assert zipformat.directory_checksum(view, layout.size + 64) is None
     assert zipformat.directory_checksum(view, 10) is None
+
