@@ -217,7 +217,7 @@ class _Client:
         self.last_step = step
         # the copy is taken: the CRC-32s and the completion run beside the next step
         self.pending = self.background.submit(self._complete, mapped, layout, step,
-                                              int(reply["slot"]))
+                                              int(reply["slot"]), replicated)
         return True
 
     def settle(self) -> None:
@@ -234,7 +234,7 @@ class _Client:
                        f"completed: {exc}")
 
     def _complete(self, mapped: mmap.mmap, layout: zipformat.Layout, step: int,
-                  slot: int) -> None:
+                  slot: int, replicated: bool) -> None:
         """Checksum what was copied, write the headers, tell the supervisor it is complete."""
         view = memoryview(mapped)
         try:
@@ -243,7 +243,7 @@ class _Client:
         finally:
             view.release()
         reply = self.ask({"op": "commit", "step": step, "slot": slot, "size": layout.size,
-                          "checksum": checksum})
+                          "checksum": checksum, "replicated": replicated})
         if not reply.get("ok"):
             raise _Refused(str(reply.get("reason", "refused")))
 

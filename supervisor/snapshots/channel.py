@@ -46,6 +46,7 @@ class Commit(msgspec.Struct, frozen=True, tag_field="op", tag="commit",
     slot: int
     size: int
     checksum: int
+    replicated: bool = False
 
 
 class RestoreQuery(msgspec.Struct, frozen=True, tag_field="op", tag="restore",

@@ -186,14 +186,13 @@ class SnapshotService:
                 "capacity": slot.capacity}
 
     def _commit(self, request: Commit, sender: Sender) -> dict[str, Any]:
-        keys = (request.rank, REPLICATED)
-        for key in keys:
-            done = self.table.commit(key, request.slot, request.step, request.size,
-                                     request.checksum, self.clock())
-            if not isinstance(done, Refused):
-                self.counts.kept += 1
-                self.progress.touch_save(sender.local_rank, self.clock())
-                return {"ok": True}
+        key = REPLICATED if request.replicated else request.rank
+        done = self.table.commit(key, request.slot, request.step, request.size,
+                                 request.checksum, self.clock())
+        if not isinstance(done, Refused):
+            self.counts.kept += 1
+            self.progress.touch_save(sender.local_rank, self.clock())
+            return {"ok": True}
         self._refused("refused", f"commit of step {request.step} in slot {request.slot} "
                       "matches no reservation")
         return {"ok": False, "reason": "no such reservation"}
