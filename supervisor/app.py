@@ -28,6 +28,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from supervisor.accounting import GoodputRecorder
@@ -47,7 +48,7 @@ from supervisor.controller import (
 from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads, interpreter, standby_python
 from supervisor.core.slots import Restore
-from supervisor.core.snapshot import ProgressTable
+from supervisor.core.snapshot import ProgressTable, Snapshot
 from supervisor.discovery import announce, local_url
 from supervisor.events import EventLog
 from supervisor.healing import make_healing
@@ -558,8 +559,18 @@ async def serve_when_launched(
     serve = functools.partial(serve_health, sock=sock,
                               notices=etcd.notices.receive if etcd is not None else None)
     await tg.start(
-        serve, "", 0, lambda: hub.current, controller.progress, metrics, lag.current
+        serve, "", 0, functools.partial(current_view, hub, snapshots), controller.progress,
+        metrics, lag.current
     )
+
+
+def current_view(hub: SnapshotHub, snapshots: SnapshotService | None) -> Snapshot:
+    """What HTTP readers see: the last published view, with the snapshot counts of now
+    (a save changes them between two transitions; republishing at every save would wake
+    every reader of the view, the status summaries in etcd among them)."""
+    if snapshots is None:
+        return hub.current
+    return msgspec.structs.replace(hub.current, snapshots=snapshots.status())
 
 
 async def freeze_when_launched(controller: Controller) -> None:
