@@ -72,9 +72,12 @@ def save(state: Any, step: int, *, replicated: bool = False) -> bool:
     declares that every rank holds the same state (DDP): the node keeps one copy, which
     any rank, under any world size, restores.
 
-    False, with one warning, when the snapshot cannot be kept: outside a supervisor, a
-    step not above the last, no room in shared memory, a state above
-    ``--snapshot-memory-limit``. The last complete snapshot stays; training goes on.
+    True: the copy is kept. Its checksum is computed, and the supervisor told the save is
+    complete, in a thread beside the caller's next step (the next ``save`` or ``load``
+    waits for it); a crash before that restores the step before. False, with one warning,
+    when the snapshot cannot be kept: outside a supervisor, a step not above the last, no
+    room in shared memory, a state above ``--snapshot-memory-limit``. The last complete
+    snapshot stays; training goes on.
     """
     if isinstance(step, bool) or not isinstance(step, int):
         raise TypeError(f"snapshot step must be an int, got {type(step).__name__}")
