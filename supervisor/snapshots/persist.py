@@ -125,6 +125,7 @@ class SnapshotDir:
             target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = open_region(slot)
             try:
+                _check_region(fd, slot)
                 _stream_into(target, fd, slot.size)
             finally:
                 os.close(fd)
@@ -157,6 +158,17 @@ def read_region(path: Path, size: int, target_fd: int) -> int:
             memoryview(mapped) as view:
         checksum = zipformat.directory_checksum(view, size)
     return -1 if checksum is None else checksum
+
+
+def _check_region(fd: int, slot: Slot) -> None:
+    """The region still holds the snapshot its worker reported (its checksum: every
+    record's CRC-32 and size); a stray write since then is never persisted."""
+    with mmap.mmap(fd, slot.size, mmap.MAP_SHARED, mmap.PROT_READ) as mapped, \
+            memoryview(mapped) as view:
+        found = zipformat.directory_checksum(view, slot.size)
+    if found != slot.checksum:
+        raise OSError(errno.EIO, f"{slot.name} no longer holds step {slot.step} as its "
+                      "worker reported it (checksum)")
 
 
 def file_size(path: Path) -> int:

@@ -134,3 +134,16 @@ async def test_per_rank_steps_of_another_world_size_are_not_resumed(tmp_path: Pa
     async with supervisor(args_for(tmp_path, disk, "--steps", "1", nproc=1)) as sup:
         await sup.out.expect(r"rank 0 attempt 0 restored none", timeout=30)
         assert await sup.wait(60) == 0
+
+
+async def test_a_region_changed_after_its_commit_is_never_persisted(tmp_path: Path) -> None:
+    disk = tmp_path / "disk"
+    async with supervisor(args_for(tmp_path, disk, "--steps", "1", "--hold", nproc=1)) as sup:
+        await sup.out.expect(r"rank 0 holding")
+        (region,) = (tmp_path / "shm").glob("elastic-supervisor-snapshots-*/rank0-slot0-*")
+        with open(region, "r+b") as f:
+            f.write(bytes(4096))  # a stray write over the snapshot its worker committed
+        sup.signal(signal.SIGTERM)
+        assert await sup.wait(60) == 128 + signal.SIGTERM
+    assert "snapshot_dir: cannot write step 0" in sup.err.text()
+    assert complete_steps(disk) == []
