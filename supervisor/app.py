@@ -681,10 +681,17 @@ class RuntimeDir:
 
 
 def identify_worker(controller: Controller, pid: int) -> Sender | None:
-    """The live worker of the current attempt that is (or owns) ``pid``, with its ranks."""
-    local_rank = owner_by_ancestry(pid, controller.live_worker_ranks())
+    """The live worker of the current attempt that is (or owns) ``pid``, with its ranks.
+
+    Unlike a deadline, a save's commit counts while the attempt is being stopped: a rank
+    that finished copying as a peer crashed completes its step (the step to restore is
+    decided only once every worker is reaped)."""
     attempt = controller.attempt
-    if local_rank is None or attempt is None:
+    if attempt is None:
+        return None
+    live = {w.pid: w.local_rank for w in attempt.workers if w.status is None}
+    local_rank = owner_by_ancestry(pid, live)
+    if local_rank is None:
         return None
     return Sender(pid, local_rank, attempt.layout.rank_offset + local_rank)
 

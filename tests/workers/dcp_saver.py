@@ -53,7 +53,8 @@ def main() -> int:
         writer = snapshot.Writer(step=step)
         dcp.save(state(mesh, step), storage_writer=writer)
         print(f"rank {rank} saved {step} {writer.kept}", flush=True)
-    dist.barrier()
+    snapshot.Reader()  # loads, so returns once this rank's last save is complete
+    dist.barrier()  # so rank 1's crash comes after every rank's last save is complete
     dist.destroy_process_group()
     if attempt == 0 and rank == 1:
         return 3

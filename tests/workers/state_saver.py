@@ -12,7 +12,8 @@ one + 1 (or 0). Prints, flushed, one line each:
 - ``rank R again False`` with ``--again``: a second save of the last step (refused);
 - ``refused: MESSAGE`` with ``--bad sparse|subclass``: a tensor snapshots refuse.
 
-``--crash-rank R``: in attempt 0, rank R exits 3 after its saves. ``--hold``: after its
+``--crash-rank R``: in attempt 0, rank R exits 3 once every rank's saves are complete
+(``OUT/done_R_A`` files). ``--hold``: after its
 saves, print ``rank R holding`` and wait for ``OUT/go``. ``--bytes B``: the state
 also holds B bytes (a full tmpfs, a memory limit). ``--tensors``: the state is
 ``expected(step)``, tensors of several dtypes and shapes (non-contiguous, aliased,
@@ -126,10 +127,16 @@ def main() -> int:
     if args.again:
         print(f"rank {rank} again {snapshot.save({'x': 1}, start + args.steps - 1)}",
               flush=True)
+    snapshot.load()  # returns once this rank's last save is complete (its commit told)
+    (args.out / f"done_{rank}_{attempt}").touch()
     if attempt == 0 and rank == args.crash_rank:
+        # the crash comes once every rank's saves are complete (the ranks do not train
+        # together: a slower rank's save would otherwise be cut by the stop)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        while not all((args.out / f"done_{r}_0").exists() for r in range(world)):
+            time.sleep(0.02)  # its own pace: the test waits on output lines, not this
         return 3
     if args.hold:
-        snapshot.load()  # returns once the last save is complete (its checksum is told)
         print(f"rank {rank} holding", flush=True)
         while not (args.out / "go").exists():
             time.sleep(0.05)  # its own pace: the test waits on the line above, not this
