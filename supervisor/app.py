@@ -84,7 +84,7 @@ from supervisor.systemd import (
 from supervisor.views import ReadModel, RunResult
 from supervisor.watchdog.dstate import DStateMonitor
 from supervisor.watchdog.escalate import HangDump
-from supervisor.watchdog.owners import OwnerCache
+from supervisor.watchdog.owners import OwnerCache, owner_by_ancestry
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig
 from supervisor.workers.group import WorkerGroup
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
