@@ -56,6 +56,8 @@ def sections(quick: bool) -> list[Section]:
                 "recovery.py", ["--reps", "10"],
                 ["--reps", "2", "--ranks", "2", "--crashes", "exit", "--torchrun-runs", "3",
                  "--busy-runs", "1", "--first-attempt-runs", "1"]),
+        Section("state", "Training state after a failure: torch.save vs snapshots",
+                "state_recovery.py", ["--ranks", "2,4"], ["--ranks", "2"]),
         Section("rendezvous", "Rendezvous and scale-up (etcd vs torchrun c10d)",
                 "rendezvous_bench.py",
                 ["--reps", "1", "--sizes", "2,4,8,16", "--scale-window", "5",

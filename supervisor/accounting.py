@@ -88,6 +88,13 @@ class GoodputRecorder:
         self.metrics = metrics
 
     # ------------------------------------------------------------------ inputs
+    def on_restored(self, step: int, newest: int | None, saved_at: float | None,
+                    source: str) -> None:
+        """Snapshots: the attempt about to launch restores ``step`` (its failure record
+        says so)."""
+        self.accountant.restored(step, newest, saved_at, source)
+        self.republish()
+
     def on_progress(self, attempt: int, local_rank: int, at: float) -> None:
         """A rank's first progress in an attempt (ProgressTable listener)."""
         closed = self.accountant.progress(self.shown(attempt), local_rank, at)

@@ -28,6 +28,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
 from supervisor.accounting import GoodputRecorder
@@ -46,7 +47,8 @@ from supervisor.controller import (
 )
 from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads, interpreter, standby_python
-from supervisor.core.snapshot import ProgressTable
+from supervisor.core.slots import Restore
+from supervisor.core.snapshot import ProgressTable, Snapshot
 from supervisor.discovery import announce, local_url
 from supervisor.events import EventLog
 from supervisor.healing import make_healing
@@ -73,6 +75,9 @@ from supervisor.rendezvous.registry import (
     conf_barrier_timeout,
     make_rendezvous,
 )
+from supervisor.snapshot import ENV_VAR as SNAPSHOT_ENV
+from supervisor.snapshots.channel import Sender
+from supervisor.snapshots.service import SnapshotService, build_snapshots, open_snapshot_dir
 from supervisor.systemd import (
     NOTIFY_ENV_VARS,
     Notifier,
@@ -83,7 +88,7 @@ from supervisor.systemd import (
 from supervisor.views import ReadModel, RunResult
 from supervisor.watchdog.dstate import DStateMonitor
 from supervisor.watchdog.escalate import HangDump
-from supervisor.watchdog.owners import OwnerCache
+from supervisor.watchdog.owners import OwnerCache, owner_by_ancestry
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig
 from supervisor.workers.group import WorkerGroup
 from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
@@ -190,6 +195,7 @@ async def supervise(
     try:
         if timer_file is not None:
             check_timer_file(timer_file)
+        snapshot_disk = open_snapshot_dir(settings, run_id)  # owned by us, or exit 2
         # bound before anything joins a rendezvous: a busy or unusable port ends the start
         # here, with one line, instead of after this node was counted in by the others
         sock = None if settings.no_health else open_health_socket(settings)
@@ -215,9 +221,29 @@ async def supervise(
     progress = ProgressTable()
     if not embedded:
         set_child_subreaper()
+    controller: Controller  # made below; the snapshot socket asks it who a pid is
+
+    def identify(pid: int) -> Sender | None:
+        return identify_worker(controller, pid)
+
+    def restored(restore: Restore | None) -> None:
+        if restore is None:
+            return
+        events.emit("snapshot_restored", step=restore.step, source=restore.source,
+                    newest=restore.newest, replicated=restore.replicated)
+        goodput.on_restored(restore.step, restore.newest, restore.saved_at, restore.source)
+
+    snapshots = build_snapshots(
+        settings, coordinates_nodes=rendezvous.capabilities.coordinates_nodes,
+        runtime_dir=runtime.path, progress=progress, identify=identify,
+        changed=lambda: view.publish(), on_restore=restored,
+        nodes=lambda: controller.round.group_world_size if controller.round else 1,
+        disk=snapshot_disk)
     cookie = uuid.uuid4().hex
-    # the guardian also removes the runtime directory if we die (a SIGKILL skips cleanup)
-    guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None)
+    # the guardian also removes the runtime directory and the snapshot regions if we die
+    # (a SIGKILL skips every cleanup)
+    guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None,
+                        also_remove=[snapshots.regions.directory] if snapshots else [])
     # a line matching --progress-pattern is progress when a rank posts no deadlines
     output.on_progress_line = lambda local_rank: progress.touch_output(local_rank,
                                                                        time.monotonic())
@@ -228,6 +254,8 @@ async def supervise(
     pool = make_pool(settings, rendezvous, environ, death, progress, guardian,
                      fork_server=not embedded, run_dir=log_root / run_id)
     base_env = worker_base_env(environ, settings.local_world_size, cookie)
+    if snapshots is not None:  # the only variable of ours a worker gets
+        base_env[SNAPSHOT_ENV] = str(snapshots.socket_path)
     group = WorkerGroup(
         settings, run_id=run_id, events=events, log_root=log_root, output=output,
         environ=base_env,
@@ -251,9 +279,12 @@ async def supervise(
         service_status=etcd.outage_status if etcd is not None else None,
         members_checked=rendezvous.capabilities.coordinates_nodes or settings.max_nodes == 1,
         node_health=healing,
+        snapshots=snapshots.status if snapshots is not None else None,
     )
     hub = view.hub
     observers: list[Observer] = [_StopNotice(reporter), goodput]
+    if snapshots is not None:  # before the launch it observes: the restore step first
+        observers.insert(0, snapshots)
     controller = Controller(
         settings, rendezvous, group=group, view=view, policy=policy, events=events,
         output=output, progress=progress, observers=observers,
@@ -284,6 +315,8 @@ async def supervise(
             await tg.start(events.retry_pending)
             await tg.start(guardian.run)
             await tg.start(goodput.run)
+            if snapshots is not None:
+                await tg.start(snapshots.run)
             watchdog = None
             health_url: str | None = None
             if timer_file is not None:
@@ -299,13 +332,15 @@ async def supervise(
                 logger.info("health endpoint on http://%s:%d", settings.health_host, port)
                 events.emit("health_listening", host=settings.health_host, port=port)
                 tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog, goodput,
-                              hub, not embedded)
+                              hub, not embedded, snapshots)
                 health_url = f"http://{advertised_host(settings, rendezvous)}:{port}"
             elif not embedded:
                 tg.start_soon(freeze_when_launched, controller)
             start_summaries(tg, rendezvous, hub, health_url)
             tg.start_soon(publish_status, hub, reporter)
             result = await controller.run(receive, send)
+            if snapshots is not None:  # the workers are stopped: the newest step to disk
+                await snapshots.finish(settings.shutdown_timeout)
             reporter.publish(hub.current)
             await _close_rendezvous(rendezvous, controller.state)
             if controller.state.phase is sm.Phase.QUARANTINED:  # a c10d host serves on
@@ -318,6 +353,8 @@ async def supervise(
         receive.close()
         with anyio.CancelScope(shield=True):
             await rendezvous.aclose()
+        if snapshots is not None:
+            snapshots.close()  # the regions: never left behind
         guardian.close()
         owners.close()
         events.close()
@@ -484,6 +521,7 @@ async def serve_when_launched(
     goodput: GoodputRecorder,
     hub: SnapshotHub,
     freeze: bool,
+    snapshots: SnapshotService | None = None,
 ) -> None:
     """Serve HTTP once the first group is launched (or SERVE_DEFER passed, for a long
     rendezvous): importing aiohttp and prometheus-client costs ~100 ms, which would
@@ -495,7 +533,8 @@ async def serve_when_launched(
     # (~100 ms here, seconds on a loaded node, which would stamp deadline posts late)
     etcd = controller.rendezvous.etcd_service()
     extra = (("supervisor.rendezvous.etcd_metrics",) if etcd is not None else ()) + (
-        ("supervisor.health.healing_metrics",) if controller.healing is not None else ())
+        ("supervisor.health.healing_metrics",) if controller.healing is not None else ()) + (
+        ("supervisor.health.snapshot_metrics",) if snapshots is not None else ())
     await anyio.to_thread.run_sync(functools.partial(import_modules, *HTTP_STACK, *extra))
     from supervisor.health.metrics import Metrics
     from supervisor.health.server import serve_health
@@ -511,6 +550,10 @@ async def serve_when_launched(
         from supervisor.health.healing_metrics import HealingCollector
 
         metrics.registry.register(HealingCollector(controller.healing))
+    if snapshots is not None:
+        from supervisor.health.snapshot_metrics import SnapshotCollector
+
+        metrics.registry.register(SnapshotCollector(snapshots))
     metrics.watch_loop(lag)
     metrics.watch_event_log(controller.events)
     metrics.watch_output(controller.output.loss)
@@ -521,8 +564,18 @@ async def serve_when_launched(
     serve = functools.partial(serve_health, sock=sock,
                               notices=etcd.notices.receive if etcd is not None else None)
     await tg.start(
-        serve, "", 0, lambda: hub.current, controller.progress, metrics, lag.current
+        serve, "", 0, functools.partial(current_view, hub, snapshots), controller.progress,
+        metrics, lag.current
     )
+
+
+def current_view(hub: SnapshotHub, snapshots: SnapshotService | None) -> Snapshot:
+    """What HTTP readers see: the last published view, with the snapshot counts of now
+    (a save changes them between two transitions; republishing at every save would wake
+    every reader of the view, the status summaries in etcd among them)."""
+    if snapshots is None:
+        return hub.current
+    return msgspec.structs.replace(hub.current, snapshots=snapshots.status())
 
 
 async def freeze_when_launched(controller: Controller) -> None:
@@ -630,6 +683,22 @@ class RuntimeDir:
     def cleanup(self) -> None:
         if self.owned:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+def identify_worker(controller: Controller, pid: int) -> Sender | None:
+    """The live worker of the current attempt that is (or owns) ``pid``, with its ranks.
+
+    Unlike a deadline, a save's commit counts while the attempt is being stopped: a rank
+    that finished copying as a peer crashed completes its step (the step to restore is
+    decided only once every worker is reaped)."""
+    attempt = controller.attempt
+    if attempt is None:
+        return None
+    live = {w.pid: w.local_rank for w in attempt.workers if w.status is None}
+    local_rank = owner_by_ancestry(pid, live)
+    if local_rank is None:
+        return None
+    return Sender(pid, local_rank, attempt.layout.rank_offset + local_rank)
 
 
 def worker_base_env(

@@ -136,6 +136,17 @@ def _run_parser() -> argparse.ArgumentParser:
           help="node check period while workers run (default 0: none)")
     _flag(p, "node-check-retry", type=float,
           help="a node failing its check before joining re-checks after this (30 s)")
+    _flag(p, "snapshot-memory-dir",
+          help="tmpfs where training-state snapshots are kept (default /dev/shm)")
+    _flag(p, "snapshot-memory-limit",
+          help="the largest snapshot a rank may keep, e.g. 4G (default: no limit)")
+    _flag(p, "snapshot-dir",
+          help="directory (shared storage) where complete snapshot steps are persisted "
+               "and a fresh run resumes from")
+    _flag(p, "snapshot-persist-interval", type=float,
+          help="seconds between two steps persisted to --snapshot-dir (300)")
+    _flag(p, "snapshot-resume-any", action="store_const", const=True,
+          help="use a --snapshot-dir whose manifest names another run id")
     _flag(p, "restart-backoff", help="BASE:MAX seconds of exponential backoff (default 0:0)")
     _flag(p, "restart-budget-window", type=float, help="healthy seconds that refill the budget")
     _flag(p, "no-restart-exit-codes", type=_int_csv, help="exit codes that end the job at once")

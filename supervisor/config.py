@@ -97,6 +97,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     node_check_timeout: float = 60.0
     node_check_interval: float = 0.0  # while the workers run (0: never)
     node_check_retry: float = 30.0  # a node failing its check before joining re-checks
+    # training-state snapshots (supervisor.snapshot, docs/snapshots.md)
+    snapshot_memory_dir: str = "/dev/shm"  # a tmpfs: where the regions are made
+    snapshot_memory_limit: str = ""  # the largest snapshot kept, e.g. 4G ("": no limit)
+    snapshot_dir: str | None = None  # complete steps persisted there, resumed from
+    snapshot_persist_interval: float = 300.0  # seconds between two persisted steps
+    snapshot_resume_any: bool = False  # use a snapshot_dir of another run id
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -114,6 +120,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     @property
     def backoff(self) -> tuple[float, float]:
         return _backoff(self.restart_backoff)
+
+    @property
+    def snapshot_limit(self) -> int | None:
+        """``snapshot_memory_limit`` in bytes (None: no limit)."""
+        return _bytes("snapshot_memory_limit", self.snapshot_memory_limit)
 
 
 DEFAULT_HEALTH_PORT: Final = 29480  # used when no flag, file or variable names a port
@@ -149,6 +160,19 @@ def _nproc(text: str) -> int:
         raise ConfigError("nproc_per_node: expected a positive integer, cpu, gpu or auto, "
                           f"got {text!r}")
     return int(text)
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes(key: str, text: str) -> int | None:
+    """A size such as 512M, 4G or 1048576 (bytes); "" is None."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)(?:i?B)?\s*", text, re.IGNORECASE)
+    if not text.strip():
+        return None
+    if not m or int(m.group(1)) <= 0:
+        raise ConfigError(f"{key}: expected a size such as 512M or 4G, got {text!r}")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
 def _backoff(text: str) -> tuple[float, float]:
@@ -266,7 +290,8 @@ def _validation_message(text: str) -> str:
 def validate(s: Settings) -> None:
     """Range and cross-field checks msgspec's types cannot express. What the chosen
     rendezvous backend needs is the registry's to check (``registry.check_backend``)."""
-    s.min_nodes, s.local_world_size, s.backoff  # noqa: B018  (each raises ConfigError if bad)
+    # each raises ConfigError if bad
+    s.min_nodes, s.local_world_size, s.backoff, s.snapshot_limit  # noqa: B018
     checks: list[tuple[bool, str]] = [
         (s.max_restarts >= 0, f"max_restarts: must be >= 0, got {s.max_restarts}"),
         (s.node_rank >= 0, f"node_rank: must be >= 0, got {s.node_rank}"),
@@ -300,6 +325,8 @@ def validate(s: Settings) -> None:
     for module in s.preload:
         ok = all(part.isidentifier() for part in module.split("."))
         checks.append((ok, f"preload: {module!r} is not a module name (e.g. torch,torch._dynamo)"))
+    checks.append((s.snapshot_persist_interval > 0,
+                   "snapshot_persist_interval: must be > 0 seconds"))
     checks += [(False, problem) for problem in check_limits(healing_limits(s))]
     checks += [
         (s.node_check_timeout > 0, "node_check_timeout: must be > 0 seconds"),

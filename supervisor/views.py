@@ -100,6 +100,7 @@ class ReadModel:
         service_status: Callable[[], dict[str, Any]] | None = None,
         members_checked: bool = True,
         node_health: NodeHealthView | None = None,
+        snapshots: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.settings = settings
         self.run_id = run_id
@@ -114,6 +115,7 @@ class ReadModel:
         self.service_status = service_status
         self.members_checked = members_checked  # whether success was checked job-wide
         self.node_health = node_health
+        self.snapshots = snapshots  # the snapshot memory's status (supervisor.snapshots)
         self.state = sm.State()
         self.round: RendezvousResult | None = None
         self.stale_events = 0  # earlier attempts' events dropped so far
@@ -225,6 +227,7 @@ class ReadModel:
             node_health=(self.node_health.view() if self.node_health is not None
                          and self.node_health.enabled else None),
             stale_events=self.stale_events,
+            snapshots=self.snapshots() if self.snapshots is not None else None,
         )
 
     def status_line(self) -> str:

@@ -90,6 +90,11 @@ class Recovery(msgspec.Struct, frozen=True):
     missing: tuple[int, ...] = ()  # awaited ranks silent until the bound passed
     no_signal: tuple[int, ...] = ()  # ranks known to have no progress signal
     message: str = ""
+    # training-state snapshots (supervisor.snapshots): what the relaunch restored
+    restored_step: int | None = None
+    steps_redone: int | None = None  # newest step saved before the failure - restored
+    work_lost: float | None = None  # seconds from the restored step's save to the failure
+    state_from: str | None = None  # "memory" or "disk"
 
     @property
     def lost(self) -> float | None:
@@ -239,6 +244,19 @@ class Accountant:
         self._running = True
         self._waiting = self._kind in (Kind.STARTUP, Kind.LOST)
         return self._settle(at, force=False)
+
+    def restored(self, step: int, newest: int | None, saved_at: float | None,
+                 source: str) -> None:
+        """The attempt about to launch restores snapshot ``step`` (saved, complete on
+        every rank, at ``saved_at``; ``newest``: the newest step any rank had saved)."""
+        if self._open is None:
+            return
+        failed_at = self._open.failed_at
+        self._open = msgspec.structs.replace(
+            self._open, restored_step=step, state_from=source,
+            steps_redone=None if newest is None else max(0, newest - step),
+            work_lost=None if saved_at is None else max(0.0, failed_at - saved_at))
+        self._last = self._open
 
     def progress(self, attempt: int, local_rank: int, at: float) -> list[Recovery]:
         """A rank of ``attempt`` showed progress (only its first time per attempt matters)."""

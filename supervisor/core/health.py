@@ -206,6 +206,7 @@ def status_document(
         },
         "goodput": goodput_json(snapshot.goodput, now_mono, now_wall),
         "node_health": snapshot.node_health,
+        "snapshots": snapshot.snapshots,
         "exit_code": snapshot.exit_code,
         "started_at": snapshot.started_at_wall,
         "uptime": _round(uptime),
@@ -323,6 +324,10 @@ def recovery_json(
         "missing": list(record.missing),
         "no_signal": list(record.no_signal),
         "message": record.message or None,
+        "restored_step": record.restored_step,
+        "steps_redone": record.steps_redone,
+        "work_lost": _round6(record.work_lost),
+        "state_from": record.state_from,
     }
 
 

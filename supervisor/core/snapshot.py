@@ -106,6 +106,7 @@ class Snapshot(msgspec.Struct, frozen=True):
     ready_when: str = "launched"  # "launched" or "progress"
     node_health: dict[str, Any] | None = None  # healing: checks, spare, quarantine (healing.py)
     stale_events: int = 0  # earlier attempts' events dropped so far (core.state.is_stale)
+    snapshots: dict[str, Any] | None = None  # training-state snapshots (supervisor.snapshots)
 
 
 ProgressListener = Callable[[int, int, float], None]
@@ -159,6 +160,12 @@ class ProgressTable:
         if local_rank in self._first or local_rank in self._posters:
             return
         self._shown(local_rank, now)
+
+    def touch_save(self, local_rank: int, now: float) -> None:
+        """A snapshot save of ``local_rank`` completed at ``now``: progress for readiness
+        and goodput, not for liveness (a job may save every few minutes)."""
+        if local_rank not in self._first:
+            self._shown(local_rank, now)
 
     def _shown(self, local_rank: int, now: float) -> None:
         self._first[local_rank] = now

@@ -33,7 +33,7 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import anyio
@@ -163,8 +163,9 @@ def main():
                 groups[int(pgid)] = fd
     killed = kill_groups(groups)
     swept = sweep(set(groups), mark, uid)
-    if rundir:
-        remove(rundir, uid)
+    for path in rundir.split("\n"):
+        if path:
+            remove(path, uid)
     if killed or swept:
         os.write(2, b"elastic-supervisor guardian: supervisor gone; SIGKILLed process groups %s"
                     b" and %d process(es) of ours\n" % (str(killed).encode(), swept))
@@ -190,19 +191,23 @@ class Guardian:
         cookie: str | None = None,
         *,
         runtime_dir: str | Path | None = None,
+        also_remove: Sequence[str | Path] = (),
         environ: Mapping[str, str] | None = None,
     ) -> None:
         """``cookie``: the value of ``COOKIE_ENV`` in every worker's environment. When the
         supervisor dies, every process of our uid still carrying it is killed too.
         ``runtime_dir``: a directory of ours the guardian removes when the pipe closes
-        (the supervisor's private runtime directory, which a SIGKILL would leave behind).
+        (the supervisor's private runtime directory, which a SIGKILL would leave behind);
+        ``also_remove``: more such directories (the snapshot regions: memory, not disk).
         ``environ``: the guardian's environment (default ours), to which the cookie and
         the directory are added: never the command line, which every user can read."""
         env = dict(os.environ if environ is None else environ)
         if cookie:
             env[_MARK_ENV] = f"{COOKIE_ENV}={cookie}"
-        if runtime_dir is not None:
-            env[_RUNDIR_ENV] = str(runtime_dir)
+        removed = [str(p) for p in ([runtime_dir] if runtime_dir is not None else [])]
+        removed += [str(p) for p in also_remove]
+        if removed:
+            env[_RUNDIR_ENV] = "\n".join(removed)  # directories we made: no newline in them
         read_end, self._fd = os.pipe2(os.O_CLOEXEC)
         try:
             self._proc = subprocess.Popen(
