@@ -42,6 +42,8 @@ from supervisor.snapshots.persist import DirRefused, OnDisk, SnapshotDir, file_s
 
 logger = logging.getLogger(__name__)
 
+UNIX_PATH_MAX = 108  # sun_path, NUL included
+
 
 @dataclass
 class SnapshotCounts:
@@ -361,7 +363,12 @@ def build_snapshots(
                        "a private directory in %s: %s", settings.snapshot_memory_dir,
                        exc.strerror)
         return None
-    return SnapshotService(regions, runtime_dir / "snapshots.sock", identify, progress,
+    socket_path = runtime_dir / "snapshots.sock"
+    if len(os.fsencode(socket_path)) >= UNIX_PATH_MAX:
+        # a deep runtime directory: the regions' private directory (0700, ours, freed with
+        # them) is short and just as private
+        socket_path = regions.directory / "snapshots.sock"
+    return SnapshotService(regions, socket_path, identify, progress,
                            limit=settings.snapshot_limit, changed=changed, disk=disk,
                            on_restore=on_restore, nodes=nodes,
                            persist_interval=settings.snapshot_persist_interval)
