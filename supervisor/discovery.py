@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from supervisor.pids import pid_exists
+
 ANNOUNCE = "health.json"
 RUN_PREFIX = "elastic-supervisor-run-"
 SYSTEMD_ROOT = Path("/run/elastic-supervisor")
@@ -64,7 +66,7 @@ def find_supervisors(roots: Iterable[Path] | None = None) -> list[Found]:
     """The live supervisors that announced themselves in a runtime directory of this user,
     by pid."""
     dirs = _runtime_dirs() if roots is None else list(roots)
-    found = [f for f in (_read(d) for d in dirs) if f is not None and _alive(f.pid)]
+    found = [f for f in (_read(d) for d in dirs) if f is not None and pid_exists(f.pid)]
     return sorted(found, key=lambda f: f.pid)
 
 
@@ -130,11 +132,3 @@ def _http(url: str) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, another user's
-    return True

@@ -20,6 +20,7 @@ import stat
 from pathlib import Path
 
 from supervisor.core.slots import Slot
+from supervisor.pids import pid_exists
 
 logger = logging.getLogger(__name__)
 
@@ -89,18 +90,10 @@ def sweep_stale(base: Path) -> None:
         except OSError:
             continue
         if (not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid()
-                or not pid_text.isdigit() or _alive(int(pid_text))):
+                or not pid_text.isdigit() or pid_exists(int(pid_text))):
             continue
         logger.info("removing %s: left by supervisor pid %s, which is gone", entry.path,
                     pid_text)
         shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -39,6 +39,7 @@ from supervisor.core.deadlines import (
 )
 from supervisor.core.snapshot import ProgressTable
 from supervisor.core.state import DeadlineExpired
+from supervisor.pids import pid_exists
 from supervisor.watchdog.escalate import (
     ExpiryOutcome,
     HangDump,
@@ -143,14 +144,6 @@ class RateLimitedLog:
 # ----------------------------------------------------------------------- processes
 
 
-def _pid_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # ----------------------------------------------------------------------- the tailer
@@ -290,7 +283,7 @@ class Watchdog:
         rank = self._owner(pid)
         if rank is not None:
             return rank
-        if not _pid_exists(pid):
+        if not pid_exists(pid):
             return Rejected(RejectReason.DEAD_PID, str(pid))
         return Rejected(RejectReason.NOT_OWNED, str(pid))
 
