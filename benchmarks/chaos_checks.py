@@ -29,6 +29,7 @@ from benchmarks.chaos_rig import (
     Usage,
     etcd_connections,
     fd_change,
+    live_pidfds,
     marked_processes,
     metric,
     metric_samples,
@@ -159,13 +160,14 @@ class Checks:
 
     def fd_problems(self, start: Usage, end: Usage) -> list[str]:
         """What is wrong with the fds at ``end`` (empty: nothing): more than FD_BOUND over
-        the start besides connections to etcd members, more than ETCD_POOL_BOUND_PER_MEMBER
-        over the start per member to those (``chaos_rig``), or a connection its peer
-        closed still open."""
+        the start besides connections to etcd members and pidfds of live processes, more
+        than ETCD_POOL_BOUND_PER_MEMBER over the start per member to those (``chaos_rig``),
+        or a connection its peer closed still open."""
         members = self.rig.etcd_members()
         pooled = etcd_connections(start, members), etcd_connections(end, members)
+        kept = pooled[0] + live_pidfds(start), pooled[1] + live_pidfds(end)
         out = []
-        if end.fds - pooled[1] > start.fds - pooled[0] + FD_BOUND:
+        if end.fds - kept[1] > start.fds - kept[0] + FD_BOUND:
             out.append(f"fds {start.fds} -> {end.fds}, {pooled[0]} -> {pooled[1]} of them to "
                        f"etcd ({fd_change(start, end)})")
         if pooled[1] > pooled[0] + ETCD_POOL_BOUND_PER_MEMBER * len(members):

@@ -224,9 +224,29 @@ def fd_kinds(proc: psutil.Process) -> list[str]:
     for fd in os.listdir(f"/proc/{proc.pid}/fd"):
         with contextlib.suppress(OSError):
             target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
-            out.append(inet.get(int(fd)) or re.sub(r"attempt_\d+", "attempt_N",
-                                                    target.split(":[")[0]))
+            if target == "anon_inode:[pidfd]":
+                target += " live" if pidfd_target_lives(proc.pid, fd) else " exited"
+            elif not target.startswith("anon_inode:"):  # whose [...] names a kind
+                target = re.sub(r"attempt_\d+", "attempt_N", target.split(":[")[0])
+            out.append(inet.get(int(fd)) or target)
     return sorted(out)
+
+
+def pidfd_target_lives(pid: int, fd: str) -> bool:
+    """Whether the process a pidfd of ``pid`` refers to is still there (fdinfo's ``Pid:``
+    is -1 once it has been reaped)."""
+    with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("Pid:"):
+                target = int(line.split()[1])
+                return target > 0 and proc_state(target) not in (None, "Z")
+    return False
+
+
+def live_pidfds(usage: Usage) -> int:
+    """How many of ``usage``'s fds are pidfds of processes alive: the deadline FIFO's owner
+    cache keeps one per process that wrote to it while that process lives (bounded)."""
+    return usage.fd_kinds.count("anon_inode:[pidfd] live")
 
 
 def etcd_connections(usage: Usage, members: set[str]) -> int:
@@ -338,13 +358,18 @@ class Board:
 
 
 class EventTail:
-    """Follows ``events.jsonl`` across renames (logrotate + SIGHUP), feeding the board."""
+    """Follows ``events.jsonl`` across renames (logrotate + SIGHUP), feeding the board.
+
+    The supervisor reopens its log off the event loop: the new file exists a moment before
+    it stops writing to the renamed one, so a renamed file stays open and is drained on
+    every poll until the tail closes."""
 
     def __init__(self, path: Path, board: Board) -> None:
         self.path = path
         self.board = board
         self._file: Any = None
         self._buf = b""
+        self._renamed: list[tuple[Any, list[bytes]]] = []  # (file, [its partial line])
 
     def _open(self) -> bool:
         try:
@@ -354,27 +379,29 @@ class EventTail:
         return True
 
     def poll(self) -> None:
+        for old, buf in self._renamed:
+            self._drain(old, buf)
         if self._file is None and not self._open():
             return
-        self._drain()
+        current = [self._buf]
+        self._drain(self._file, current)
+        self._buf = current[0]
         try:
             renamed = os.stat(self.path).st_ino != os.fstat(self._file.fileno()).st_ino
         except FileNotFoundError:
             renamed = False  # renamed, new one not made yet: keep reading the old one
-        if renamed:  # the new file exists, so the supervisor is done with the old one
-            self._drain()
-            self._file.close()
+        if renamed:
+            self._renamed.append((self._file, [self._buf]))
             self._file = None
             self._buf = b""
             if self._open():
-                self._drain()
+                self.poll()
 
-    def _drain(self) -> None:
-        data = self._file.read()
+    def _drain(self, file: Any, buf: list[bytes]) -> None:
+        data = file.read()
         if not data:
             return
-        self._buf += data
-        *lines, self._buf = self._buf.split(b"\n")
+        *lines, buf[0] = (buf[0] + data).split(b"\n")
         for line in lines:
             if line.strip():
                 self.board.event(json.loads(line))
@@ -386,6 +413,9 @@ class EventTail:
             await anyio.sleep(0.02)  # pacing: a file has no readiness to wait on
 
     def close(self) -> None:
+        for old, _ in self._renamed:
+            old.close()
+        self._renamed.clear()
         if self._file is not None:
             self._file.close()
 

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -195,7 +196,11 @@ class LeakCheck:
 
         self._wait("group running", running, 30)
         for path in ("/healthz", "/readyz", "/metrics", "/status"):
-            self.get(path)
+            try:
+                self.get(path)
+            except urllib.error.HTTPError as exc:  # a 503 answers too: /readyz may say
+                exc.read()                         # "not yet" a moment after the launch
+                exc.close()
         # steady state: the D-state check (every 0.5 s) has sampled the running group and
         # the health server has closed the connections of the probes above
         time.sleep(SETTLE)
