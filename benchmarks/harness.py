@@ -53,6 +53,19 @@ def free_port() -> int:
         return port
 
 
+def stop_session(proc: subprocess.Popen[bytes], grace: float = 30) -> None:
+    """SIGTERM ``proc``'s session (it was started with ``start_new_session``), wait up to
+    ``grace`` seconds, then SIGKILL whatever is left in it (torchrun's workers too)."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(grace)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 class BenchError(RuntimeError):
     """A benchmark run did not do what it should (timeout, bad exit, missing record)."""
 

@@ -39,7 +39,6 @@ import io
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -50,6 +49,7 @@ from typing import Any
 
 import psutil
 
+from benchmarks.harness import stop_session
 from benchmarks.health_load import drive, report
 
 WORKER = r"""
@@ -136,16 +136,6 @@ def restart_latencies(out: Path) -> list[float]:
     return result
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def cpu_shares(before: list[Any], after: list[Any], cpus: set[int] | None) -> tuple[float, float]:
     """Between two ``psutil.cpu_times(percpu=True)``, over ``cpus`` (all when None): the
     share of CPU time not idle (how close the load comes to saturating those cores) and
@@ -207,7 +197,7 @@ def one_run(args: argparse.Namespace, loaded: bool, crash_every: float) -> dict[
         finally:
             if args.client_nice:
                 os.setpriority(os.PRIO_PROCESS, 0, 0)
-            stop(proc)
+            stop_session(proc)
         lat = restart_latencies(base / "out")
         return {"loaded": loaded, "restarts": len(lat), "cpu_busy": busy, "cpu_steal": steal,
                 "loop_run_delay_ms": delay * 1000,

@@ -49,7 +49,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -61,7 +60,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.fork_cpu import READY, import_seconds, spent
-from benchmarks.harness import BIN, HERE, ensure_bytecode, free_port, launcher_env
+from benchmarks.harness import BIN, HERE, ensure_bytecode, free_port, launcher_env, stop_session
 from supervisor.workers.warm.forkserver import is_fork_server_command
 from supervisor.workers.warm.standby import is_standby_command
 
@@ -166,7 +165,7 @@ def run_once(cell: Cell, ranks: int, crashes: int, kill: bool, timeout: float) -
         if cpu is not None:
             cpu.poll(final=True)
     finally:
-        stop(proc)
+        stop_session(proc, 20)
     if sample is not None:
         cell.server_rss += sample.server_rss
         cell.standby_rss += sample.standby_rss
@@ -290,17 +289,6 @@ def sample_standbys(pid: int, ranks: int) -> Sample | None:
                       [p.memory_full_info().uss for p in standbys])
     except psutil.Error:
         return None
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(20)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # anything left in its session (torchrun's)
-    proc.wait()
 
 
 def collect(cell: Cell, out: Path, ranks: int, crashes: int) -> int:
@@ -605,7 +593,7 @@ def first_attempt_once(cell: Cell, ranks: int) -> tuple[float | None, list[float
             took = max(json.loads((out / f"a0_r{r}.json").read_text())["step"]
                        for r in range(ranks)) - launched
     finally:
-        stop(proc)
+        stop_session(proc, 20)
     imports = [float(t) for t in IMPORTED.findall((root / "err").read_text(errors="replace"))]
     shutil.rmtree(root, ignore_errors=True)
     return took, imports

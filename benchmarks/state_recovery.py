@@ -37,7 +37,6 @@ import contextlib
 import itertools
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,7 +47,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.harness import BIN, HERE, ensure_bytecode, launcher_env, log
+from benchmarks.harness import BIN, HERE, ensure_bytecode, launcher_env, log, stop_session
 
 JOB = HERE / "state_job.py"
 PRELOAD = ("--preload", "torch,torch._dynamo")
@@ -129,7 +128,7 @@ def launch(case: Case, ranks: int, job_args: list[str], deadline_s: float,
     finally:
         if sampler is not None:
             run.shm_peak = sampler.stop()
-        stop(proc)
+        stop_session(proc)
     run.exit_code = proc.returncode
     run.seconds = time.monotonic() - started
     for path in out.glob("r*.jsonl"):
@@ -157,17 +156,6 @@ def not_recovering(out: Path) -> bool:
             if f'"a": {attempt + 1}' in path.read_text() and '"ev": "step"' in path.read_text():
                 return False
     return time.time() - last.stat().st_mtime > RECOVERY_TIMEOUT
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(30)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # anything left in its session (torchrun's)
-    proc.wait()
 
 
 SHM = Path("/dev/shm")  # the supervisor's --snapshot-memory-dir (its default)
