@@ -85,13 +85,19 @@ def test_regions_are_whole_mib_and_no_bigger() -> None:
     assert region_size(100 * MIB + 1) == 101 * MIB
 
 
-def test_ranks_one_step_apart_restore_the_common_step() -> None:
+def one_step_apart() -> SlotTable:
+    """Two ranks, rank 0 at step 3 and rank 1 at step 2, each with its steps before."""
     table = SlotTable()
     table.decide(2)
     for step in (1, 2, 3):
         saved(table, 0, step)
     for step in (1, 2):
         saved(table, 1, step)
+    return table
+
+
+def test_ranks_one_step_apart_restore_the_common_step() -> None:
+    table = one_step_apart()
     table.reserve(1, 3, MIB)  # rank 1 was killed in the middle of saving step 3
     restore = table.decide(2)
     assert restore is not None and restore.step == 2 and not restore.replicated
@@ -112,12 +118,7 @@ def test_a_torn_save_is_never_restored() -> None:
 def test_steps_newer_than_the_restored_one_are_dropped() -> None:
     """Rank 0's step 3 belongs to a timeline the job leaves: it must never be combined
     with the step 3 the restored run saves later."""
-    table = SlotTable()
-    table.decide(2)
-    for step in (1, 2, 3):
-        saved(table, 0, step)
-    for step in (1, 2):
-        saved(table, 1, step)
+    table = one_step_apart()
     table.decide(2)
     assert steps(table, 0) == [1, 2]
 
@@ -223,12 +224,7 @@ def test_a_region_that_could_not_be_made_is_as_before() -> None:
 
 
 def test_the_restore_says_the_newest_step_saved_and_when_its_step_was_complete() -> None:
-    table = SlotTable()
-    table.decide(2)
-    for step in (1, 2, 3):
-        saved(table, 0, step)
-    for step in (1, 2):
-        saved(table, 1, step)
+    table = one_step_apart()
     restore = table.decide(2)
     assert restore is not None and restore.newest == 3 and restore.saved_at == 2.0
     assert restore.source == "memory"
