@@ -110,6 +110,9 @@ class SlotTable:
     restore: Restore | None = None
     floor: dict[int, int] = field(default_factory=dict)  # last step reserved per key
     world_size: int = 0
+    # (key, index) -> readers of that slot's region (a buddy copy being sent): a save
+    # never writes a slot being read
+    readers: dict[tuple[int, int], int] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ saves
     def reserve(self, key: int, step: int, size: int, limit: int | None = None
@@ -161,7 +164,7 @@ class SlotTable:
         return None
 
     def _pinned(self, slot: Slot) -> bool:
-        if slot.persisting:
+        if slot.persisting or self.readers.get((slot.key, slot.index)):
             return True
         held = self.restore.slots.get(slot.key) if self.restore is not None else None
         return held is not None and held.index == slot.index
@@ -208,6 +211,19 @@ class SlotTable:
         slot = self._slot(key, index)
         if slot is not None:
             self._put(replace(slot, persisting=persisting))
+
+    def add_reader(self, slot: Slot) -> None:
+        """Pin ``slot`` while its region is read (a buddy copy); one ``drop_reader`` each."""
+        where = (slot.key, slot.index)
+        self.readers[where] = self.readers.get(where, 0) + 1
+
+    def drop_reader(self, slot: Slot) -> None:
+        where = (slot.key, slot.index)
+        left = self.readers.get(where, 0) - 1
+        if left > 0:
+            self.readers[where] = left
+        else:
+            self.readers.pop(where, None)
 
     # ------------------------------------------------------------------ restarts
     def decide(self, world_size: int) -> Restore | None:

@@ -48,18 +48,24 @@ class Regions:
     def make(self, slot: Slot, old: Slot | None) -> None:
         """Create ``slot``'s region with every page reserved; remove ``old``'s file (the
         region it replaces). Raises ``OSError`` (ENOSPC: the tmpfs is full)."""
-        path = self.path(slot)
+        self.reserve(slot.name, slot.capacity)
+        if old is not None and old.capacity:
+            self.drop(old)
+
+    def reserve(self, name: str, capacity: int) -> Path:
+        """Create the region ``name`` of ``capacity`` bytes, every page reserved. Raises
+        ``OSError`` (ENOSPC: the tmpfs is full; EEXIST: the name is taken)."""
+        path = self.directory / name
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
                      0o600)
         try:
-            os.posix_fallocate(fd, 0, slot.capacity)
+            os.posix_fallocate(fd, 0, capacity)
         except OSError:
             os.unlink(path)
             raise
         finally:
             os.close(fd)
-        if old is not None and old.capacity:
-            self.drop(old)
+        return path
 
     def drop(self, slot: Slot) -> None:
         """Free a region (a worker's mapping keeps its pages until it unmaps)."""

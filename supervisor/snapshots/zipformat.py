@@ -137,3 +137,34 @@ def directory_checksum(buffer: memoryview, size: int) -> int | None:
     if directory + directory_size != end:
         return None
     return zlib.crc32(buffer[directory:end])
+
+
+def verify(buffer: memoryview, size: int, checksum: int) -> bool:
+    """Whether ``buffer[:size]`` is the finished snapshot whose checksum is ``checksum``,
+    every record's data included: the central directory's CRC-32 must be ``checksum``,
+    and each record's data must have the CRC-32 and size the directory records for it.
+    For bytes that came from elsewhere (a buddy's copy); reads every byte once."""
+    if directory_checksum(buffer, size) != checksum:
+        return False
+    end = size - _END.size - _LOCATOR.size - _END64.size
+    fields = _END64.unpack_from(buffer, end)
+    count, at = fields[7], fields[9]
+    for _ in range(count):
+        if at + _CENTRAL.size > end:
+            return False
+        central = _CENTRAL.unpack_from(buffer, at)
+        crc, name_len, extra_len = central[7], central[10], central[11]
+        extra = at + _CENTRAL.size + name_len
+        if central[0] != 0x02014B50 or extra_len < _ZIP64_CENTRAL.size:
+            return False
+        _id, _len, length, _compressed, header = _ZIP64_CENTRAL.unpack_from(buffer, extra)
+        at = extra + extra_len + central[12]  # its comment, none in ours
+        if header + _LOCAL.size > end:
+            return False
+        local = _LOCAL.unpack_from(buffer, header)
+        data = header + _LOCAL.size + local[9] + local[10]
+        if local[0] != 0x04034B50 or data + length > end:
+            return False
+        if zlib.crc32(buffer[data:data + length]) != crc:
+            return False
+    return bool(at == end)

@@ -1,0 +1,310 @@
+"""The buddy's side: a TCP server on ``--snapshot-port`` that keeps other nodes' copies.
+
+The listening socket is the event loop's (accepting is cheap); each connection is then
+served in a worker thread on a blocking socket, with a timeout on every read, so bulk
+bytes never cross the loop. Bytes go straight into regions of shared memory this
+supervisor creates for them (``Regions.reserve``: a full tmpfs is a refusal, never a
+SIGBUS), next to the copy already kept: a transfer cut in the middle, or whose bytes do
+not match the save's checksums, is dropped and the older copy stays. Only a transfer
+checked whole replaces it. At most one transfer per sending node is in flight, so a
+node keeps, per buddy rank, one copy and at most one being received.
+
+The table of kept copies has one writer, the event loop: threads ask it to admit an
+offer and to keep a checked copy (``anyio.from_thread``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import logging
+import mmap
+import os
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.to_thread
+from anyio.abc import TaskStatus
+
+from supervisor.core.buddies import Offer, admit
+from supervisor.core.slots import region_size
+from supervisor.snapshots import zipformat
+from supervisor.snapshots.memory import Regions
+from supervisor.snapshots.replicate.auth import Auth
+from supervisor.snapshots.replicate.wire import (
+    MAX_RANKS,
+    Answer,
+    AuthRefused,
+    Cut,
+    Push,
+    ReplicaCounts,
+    read_frame,
+    recv_into_exact,
+    send_frame,
+)
+
+logger = logging.getLogger(__name__)
+
+HANDSHAKE_TIMEOUT = 10.0  # seconds a peer has to prove itself
+MAX_CONNECTIONS = 4  # served at once; more are closed at once (and counted)
+
+
+@dataclass(frozen=True)
+class HeldRank:
+    """One rank's snapshot kept for a buddy: its region, size and checksum."""
+
+    region: str
+    size: int
+    checksum: int
+    capacity: int
+
+
+@dataclass(frozen=True)
+class HeldCopy:
+    """A node's step kept here, whole and checked."""
+
+    node: str
+    step: int
+    world_size: int
+    ranks: dict[int, HeldRank]
+    kept_at: float  # monotonic
+
+
+@dataclass
+class _Incoming:
+    """A transfer being received: the regions it writes (dropped unless kept)."""
+
+    push: Push
+    regions: dict[int, HeldRank] = field(default_factory=dict)
+
+
+class BuddyReceiver:
+    """Serves ``host:port`` and keeps what members send (one copy per sending node)."""
+
+    def __init__(self, regions: Regions, auth: Auth, *, host: str = "0.0.0.0",
+                 port: int = 0, limit: int | None = None,
+                 expected: frozenset[str] | None = None, io_timeout: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.regions = regions
+        self.auth = auth
+        self.host = host
+        self.port = port
+        self.limit = limit  # --snapshot-memory-limit, per rank
+        self.expected = expected  # nodes whose copy we keep (None: any member)
+        self.io_timeout = io_timeout
+        self.clock = clock
+        self.counts = ReplicaCounts()
+        self.held: dict[str, HeldCopy] = {}
+        self._receiving: set[str] = set()  # nodes with a transfer in flight
+        self._connections: set[socket.socket] = set()
+        self._names = itertools.count()
+        self._warned: set[str] = set()
+
+    # ------------------------------------------------------------------ serving
+    async def run(self, *, task_status: TaskStatus[int]) -> None:
+        """Listen, report the bound port, serve until cancelled."""
+        listener = socket.create_server((self.host, self.port), reuse_port=False)
+        listener.setblocking(False)
+        try:
+            self.port = listener.getsockname()[1]
+            task_status.started(self.port)
+            async with anyio.create_task_group() as tg:
+                while True:
+                    await anyio.wait_readable(listener)
+                    try:
+                        conn, _address = listener.accept()
+                    except (BlockingIOError, InterruptedError):
+                        continue
+                    except OSError as exc:  # EMFILE and the like: not ours to die of
+                        self._warn("accept", f"cannot accept a connection: {exc}")
+                        await anyio.sleep(0.1)
+                        continue
+                    if len(self._connections) >= MAX_CONNECTIONS:
+                        self.counts.add("busy_refused")
+                        self._warn("busy", f"a connection is closed: {MAX_CONNECTIONS} "
+                                   "are served already")
+                        conn.close()
+                        continue
+                    self._connections.add(conn)
+                    tg.start_soon(self._serve, conn)
+        finally:
+            listener.close()
+            for conn in list(self._connections):  # wakes their threads: they end
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+
+    async def _serve(self, conn: socket.socket) -> None:
+        try:
+            await anyio.to_thread.run_sync(self._serve_blocking, conn, abandon_on_cancel=True)
+        finally:
+            self._connections.discard(conn)
+
+    def _serve_blocking(self, conn: socket.socket) -> None:
+        conn.setblocking(True)
+        conn.settimeout(HANDSHAKE_TIMEOUT)
+        sock = conn
+        try:
+            try:
+                sock, key = self.auth.accept(conn)
+            except (AuthRefused, OSError) as exc:
+                self.counts.add("auth_refused")
+                self._warn("auth", f"refused a connection: {exc}")
+                return
+            self._receive(sock, key)
+        finally:
+            with contextlib.suppress(OSError):
+                sock.close()
+            with contextlib.suppress(OSError):
+                conn.close()
+
+    def _receive(self, sock: socket.socket, key: bytes | None) -> None:
+        incoming: _Incoming | None = None
+        try:
+            push = read_frame(sock, Push, key)
+            reason = anyio.from_thread.run_sync(self._admit, push)
+            if reason is not None:
+                send_frame(sock, Answer(False, reason), key)
+                return
+            incoming = _Incoming(push)
+            try:
+                self._stage(incoming)
+            except OSError as exc:
+                self._release(incoming)  # before the answer: nothing lingers
+                incoming = None
+                self.counts.add("refused_no_room")
+                text = (f"no room for node {push.node!r}'s copy in {self.regions.directory}"
+                        if exc.errno in (errno.ENOSPC, errno.ENOMEM)
+                        else f"cannot make a region: {exc.strerror}")
+                self._warn("room", f"a buddy copy is refused: {text}")
+                send_frame(sock, Answer(False, text), key)
+                return
+            send_frame(sock, Answer(True), key)
+            sock.settimeout(self.io_timeout)
+            failed = self._fill(sock, incoming)
+            if failed is not None:
+                self._release(incoming)
+                incoming = None
+                self.counts.add("receives_failed")
+                self._warn("check", f"node {push.node!r}'s copy of step {push.step} "
+                           f"is dropped: {failed}")
+                send_frame(sock, Answer(False, failed), key)
+                return
+            anyio.from_thread.run_sync(self._keep, incoming)
+            incoming = None  # its regions are the kept copy's now
+            self.counts.add("copies_received")
+            send_frame(sock, Answer(True), key)
+        except (Cut, OSError) as exc:  # cut, timed out, reset: the older copy stays
+            self.counts.add("receives_failed")
+            self._warn("cut", f"a buddy transfer failed: {exc}")
+        finally:
+            if incoming is not None:
+                self._release(incoming)
+
+    def _release(self, incoming: _Incoming) -> None:
+        """Free a transfer's regions: it will never be kept."""
+        self._drop(incoming.regions.values())  # files: any thread may unlink them
+        with contextlib.suppress(RuntimeError):  # the loop is gone, and the table with it
+            anyio.from_thread.run_sync(self._receiving.discard, incoming.push.node)
+
+    def _stage(self, incoming: _Incoming) -> None:
+        for copy in incoming.push.ranks:
+            name = f"buddy{next(self._names)}-rank{copy.rank}"
+            capacity = region_size(copy.size)
+            self.regions.reserve(name, capacity)
+            incoming.regions[copy.rank] = HeldRank(name, copy.size, copy.checksum, capacity)
+
+    def _fill(self, sock: socket.socket, incoming: _Incoming) -> str | None:
+        """Receive every rank into its region, then check it; why not, or None."""
+        for copy in incoming.push.ranks:
+            with _mapped(self.regions, incoming.regions[copy.rank], writable=True) as view, \
+                    view[:copy.size] as part:  # released even when the transfer is cut
+                recv_into_exact(sock, part)
+                self.counts.add("bytes_received", copy.size)
+        for copy in incoming.push.ranks:
+            with _mapped(self.regions, incoming.regions[copy.rank]) as view:
+                if not zipformat.verify(view, copy.size, copy.checksum):
+                    return f"rank {copy.rank}'s bytes do not match the save's checksum"
+        return None
+
+    # ------------------------------------------------------------------ the table (loop)
+    def _admit(self, push: Push) -> str | None:
+        if push.node in self._receiving:
+            return f"a transfer from node {push.node!r} is already in flight"
+        held = self.held.get(push.node)
+        offer = Offer(push.node, push.step, push.world_size,
+                      {c.rank: c.size for c in push.ranks},
+                      {c.rank: c.checksum for c in push.ranks})
+        reason = admit(offer, held.step if held else None, limit=self.limit,
+                       expected=self.expected, max_ranks=MAX_RANKS)
+        if reason is not None:
+            if "limit" in reason:
+                self.counts.add("refused_no_room")
+                self._warn("room", f"a buddy copy is refused: {reason}")
+            return reason
+        self._receiving.add(push.node)
+        return None
+
+    def _keep(self, incoming: _Incoming) -> None:
+        push = incoming.push
+        self._receiving.discard(push.node)
+        old = self.held.get(push.node)
+        self.held[push.node] = HeldCopy(push.node, push.step, push.world_size,
+                                        dict(incoming.regions), self.clock())
+        if old is not None:
+            self._drop(old.ranks.values())
+        logger.info("buddy copy of node %r step %d kept (%d ranks)", push.node, push.step,
+                    len(push.ranks))
+
+    def _drop(self, ranks: Iterable[HeldRank]) -> None:
+        for rank in ranks:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.regions.directory / rank.region)
+
+    def forget(self, node: str) -> None:
+        """Free ``node``'s kept copy (the integration's call: no longer needed)."""
+        copy = self.held.pop(node, None)
+        if copy is not None:
+            self._drop(copy.ranks.values())
+
+    # ------------------------------------------------------------------ read model
+    def memory(self) -> int:
+        """Bytes of shared memory the kept copies hold."""
+        return sum(r.capacity for c in self.held.values() for r in c.ranks.values())
+
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        return {
+            "port": self.port,
+            "memory_bytes": self.memory(),
+            "held": {node: {"step": c.step, "ranks": sorted(c.ranks),
+                            "age": round(now - c.kept_at, 3)}
+                     for node, c in self.held.items()},
+        }
+
+    def _warn(self, kind: str, text: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            logger.warning("%s (further ones are counted)", text)
+
+
+@contextlib.contextmanager
+def _mapped(regions: Regions, rank: HeldRank, *, writable: bool = False
+            ) -> Iterator[memoryview]:
+    flags = os.O_RDWR if writable else os.O_RDONLY
+    fd = os.open(regions.directory / rank.region, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        access = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        with mmap.mmap(fd, rank.capacity, mmap.MAP_SHARED, access) as mapped:
+            view = memoryview(mapped)
+            try:
+                yield view
+            finally:
+                view.release()
+    finally:
+        os.close(fd)
