@@ -394,3 +394,45 @@ async def test_a_buddy_keeps_copies_only_of_the_nodes_it_expects(
         aim(node, receiver)
         assert await node.sender.send_newest() is None
         assert receiver.held == {} and node.sender.counts.refused_by_buddy == 1
+
+
+async def test_a_step_the_buddy_keeps_already_is_not_sent_again(tmp_path: Path) -> None:
+    auth = Auth(secret=SECRET)
+    node = make_node(tmp_path / "a", auth)
+    node.save_all(3)
+    async with buddy(tmp_path / "b", auth) as receiver:
+        aim(node, receiver)
+        await node.sender.send_newest()
+        sent = node.sender.counts.bytes_sent
+        aim(node, receiver)  # a new round names the same buddy
+        assert await node.sender.send_newest() == 3
+        assert node.sender.counts.bytes_sent == sent and receiver.held["node-a"].step == 3
+
+
+async def test_a_restart_to_an_older_step_frees_the_newer_copies(tmp_path: Path) -> None:
+    auth = Auth(secret=SECRET)
+    node = make_node(tmp_path / "a", auth)
+    node.save_all(3)
+    async with buddy(tmp_path / "b", auth) as receiver:
+        aim(node, receiver)
+        await node.sender.send_newest()
+        receiver.trim(3)
+        assert receiver.held["node-a"].step == 3
+        receiver.trim(2)  # the job restores step 2: step 3 is another timeline now
+        assert receiver.held == {} and region_files(receiver) == set()
+
+
+async def test_an_offer_naming_a_rank_twice_is_refused(tmp_path: Path) -> None:
+    auth = Auth(secret=SECRET)
+    async with buddy(tmp_path / "b", auth) as receiver:
+
+        def twice() -> Answer:
+            with socket.create_connection(("127.0.0.1", receiver.port), timeout=10) as raw:
+                sock, key = auth.connect(raw)
+                copy = RankCopy(2, MIB, 1)
+                send_frame(sock, Push("node-a", 3, WORLD, [copy, copy]), key)
+                return read_frame(sock, Answer, key)
+
+        answer = await anyio.to_thread.run_sync(twice)
+        assert not answer.ok and "twice" in answer.reason
+        assert region_files(receiver) == set()

@@ -167,6 +167,10 @@ class BuddyReceiver:
         incoming: _Incoming | None = None
         try:
             push = read_frame(sock, Push, key)
+            held = self.held.get(push.node)  # a read of one dict entry: no race to fear
+            if held is not None and held.step == push.step:
+                send_frame(sock, Answer(True, held=True), key)
+                return
             reason = anyio.from_thread.run_sync(self._admit, push)
             if reason is not None:
                 send_frame(sock, Answer(False, reason), key)
@@ -234,6 +238,8 @@ class BuddyReceiver:
 
     # ------------------------------------------------------------------ the table (loop)
     def _admit(self, push: Push) -> str | None:
+        if len({c.rank for c in push.ranks}) != len(push.ranks):
+            return "a rank given twice"
         if push.node in self._receiving:
             return f"a transfer from node {push.node!r} is already in flight"
         held = self.held.get(push.node)
@@ -265,6 +271,13 @@ class BuddyReceiver:
         for rank in ranks:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.regions.directory / rank.region)
+
+    def trim(self, step: int | None) -> None:
+        """A restart restores ``step`` (None: nothing): copies of newer steps belong to
+        the timeline it abandons and are freed (the integration's call, per round)."""
+        for node, copy in list(self.held.items()):
+            if step is None or copy.step > step:
+                self.forget(node)
 
     def forget(self, node: str) -> None:
         """Free ``node``'s kept copy (the integration's call: no longer needed)."""

@@ -123,7 +123,8 @@ def _push(transfer: Transfer, step: int, world_size: int,
         copies = [RankCopy(rank, slot.size, slot.checksum or 0)
                   for (rank, slot), _fd in regions]
         send_frame(sock, Push(transfer.node, step, world_size, copies), key)
-        _expect_ok(read_frame(sock, Answer, key))
+        if _expect_ok(read_frame(sock, Answer, key)).held:
+            return  # the buddy keeps this step already (a round that named it again)
         pace = Pace(transfer.rate)
         for (_rank, slot), fd in regions:
             _send_region(sock, fd, slot, transfer.auth.encrypted, pace, clock,
@@ -149,9 +150,10 @@ def _check_region(fd: int, slot: Slot) -> None:
         raise Stale(f"{slot.name} no longer holds step {slot.step}")
 
 
-def _expect_ok(answer: Answer) -> None:
+def _expect_ok(answer: Answer) -> Answer:
     if not answer.ok:
         raise Refused(answer.reason)
+    return answer
 
 
 def _send_region(sock: socket.socket, fd: int, slot: Slot, encrypted: bool, pace: Pace,
@@ -201,8 +203,11 @@ class BuddySender:
         self._warned: set[str] = set()
 
     def aim(self, buddy: Address | None, ranks: frozenset[int], world_size: int) -> None:
-        """This round's buddy and this node's global ranks (the integration's call)."""
+        """This round's buddy and this node's global ranks (the integration's call, at
+        every round: what was sent before is offered again, and a buddy that keeps that
+        step already says so without a byte sent)."""
         self.buddy, self.ranks, self.world_size = buddy, ranks, world_size
+        self.sent = None
         self.wake()
 
     def wake(self) -> None:

@@ -46,6 +46,7 @@ class Push(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Answer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ok: bool
     reason: str = ""
+    held: bool = False  # the buddy keeps this very step already: nothing to send
 
 
 class Cut(OSError):
