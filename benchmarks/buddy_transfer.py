@@ -22,27 +22,16 @@ from pathlib import Path
 import anyio
 
 from supervisor.config import _bytes
-from supervisor.core.slots import Reserved, SlotTable
+from supervisor.core.slots import SlotTable
 from supervisor.snapshots.memory import Regions
 from supervisor.snapshots.replicate.auth import Auth, PeerTls
 from supervisor.snapshots.replicate.receive import BuddyReceiver
 from supervisor.snapshots.replicate.send import BuddySender
 from tests.support.etcd import make_tls_material
-from tests.support.snapshotbytes import snapshot_size, write_snapshot
+from tests.support.snapshotbytes import save_step
 
 RANKS = (0, 1)
 MIB = 1 << 20
-
-
-def save(table: SlotTable, regions: Regions, rank: int, step: int, nbytes: int) -> None:
-    payloads = {"data.pkl": b"x" * 64, "data/0": bytes([step % 251]) * nbytes}
-    previous = {s.index: s for s in table.slots.get(rank, [])}
-    reserved = table.reserve(rank, step, snapshot_size(payloads))
-    assert isinstance(reserved, Reserved)
-    if reserved.grow:
-        regions.make(reserved.slot, previous.get(reserved.slot.index))
-    size, checksum = write_snapshot(regions.path(reserved.slot), payloads)
-    table.commit(rank, reserved.slot.index, step, size, checksum, 0.0)
 
 
 async def case(shm: Path, send_auth: Auth, keep_auth: Auth, nbytes: int, reps: int,
@@ -59,7 +48,7 @@ async def case(shm: Path, send_auth: Auth, keep_auth: Auth, nbytes: int, reps: i
             sender.aim(("127.0.0.1", port), frozenset(RANKS), len(RANKS))
             for step in range(reps):
                 for rank in RANKS:
-                    save(table, own, rank, step, nbytes)
+                    save_step(table, own, rank, step, nbytes)
                 start, start_cpu = time.perf_counter(), time.process_time()
                 assert await sender.send_newest() == step
                 times.append(time.perf_counter() - start)

@@ -4,10 +4,10 @@ cut in the middle, copies that do not fit, a buddy that stalls."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import ssl
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,8 +16,9 @@ from pathlib import Path
 import anyio
 import anyio.to_thread
 import pytest
+from anyio.streams.text import TextReceiveStream
 
-from supervisor.core.slots import Reserved, SlotTable
+from supervisor.core.slots import SlotTable
 from supervisor.snapshots.memory import Regions
 from supervisor.snapshots.replicate.auth import HELLO, NONCE, Auth, PeerTls
 from supervisor.snapshots.replicate.receive import BuddyReceiver
@@ -31,7 +32,8 @@ from supervisor.snapshots.replicate.wire import (
     send_frame,
 )
 from tests.support.etcd import make_tls_material
-from tests.support.snapshotbytes import snapshot_size, write_snapshot
+from tests.support.paths import WORKERS
+from tests.support.snapshotbytes import save_step
 from tests.support.tmpfs import small_tmpfs
 
 SECRET = b"the job's secret, 32 bytes long!"
@@ -49,18 +51,7 @@ class Node:
     sender: BuddySender
 
     def save(self, rank: int, step: int, nbytes: int = MIB) -> None:
-        """A worker's save of ``step``: reserve, fill the region, commit."""
-        payloads = {"data.pkl": f"rank {rank} step {step}".encode(),
-                    "data/0": _payload(rank, step, nbytes)}
-        size = snapshot_size(payloads)
-        previous = {s.index: s for s in self.table.slots.get(rank, [])}
-        reserved = self.table.reserve(rank, step, size)
-        assert isinstance(reserved, Reserved)
-        if reserved.grow:
-            self.regions.make(reserved.slot, previous.get(reserved.slot.index))
-        written, checksum = write_snapshot(self.regions.path(reserved.slot), payloads)
-        done = self.table.commit(rank, reserved.slot.index, step, written, checksum, 0.0)
-        assert not isinstance(done, str)
+        save_step(self.table, self.regions, rank, step, nbytes)
 
     def save_all(self, step: int, nbytes: int = MIB) -> None:
         for rank in sorted(RANKS):
@@ -69,11 +60,6 @@ class Node:
     def region_bytes(self, rank: int, step: int) -> bytes:
         slot = next(s for s in self.table.complete() if s.key == rank and s.step == step)
         return self.regions.path(slot).read_bytes()[:slot.size]
-
-
-def _payload(rank: int, step: int, nbytes: int) -> bytes:
-    seed = hashlib.sha256(f"{rank}/{step}".encode()).digest()
-    return (seed * (nbytes // len(seed) + 1))[:nbytes]
 
 
 def make_node(base: Path, auth: Auth, **kwargs: object) -> Node:
@@ -436,3 +422,25 @@ async def test_an_offer_naming_a_rank_twice_is_refused(tmp_path: Path) -> None:
         answer = await anyio.to_thread.run_sync(twice)
         assert not answer.ok and "twice" in answer.reason
         assert region_files(receiver) == set()
+
+
+async def test_a_sender_killed_in_the_middle_leaves_the_older_copy(tmp_path: Path) -> None:
+    auth = Auth(secret=SECRET)
+    (tmp_path / "a").mkdir()
+    async with buddy(tmp_path / "b", auth) as receiver:
+        command = [sys.executable, str(WORKERS / "buddy_sender.py"), str(receiver.port),
+                   SECRET.hex(), str(tmp_path / "a")]
+        async with await anyio.open_process(command) as process:
+            assert process.stdout is not None
+            lines = TextReceiveStream(process.stdout)
+            with anyio.fail_after(30):
+                assert (await lines.receive()).startswith("sent 1")
+            kept = {rank: kept_bytes(receiver, "node-a", rank) for rank in RANKS}
+            first = receiver.counts.bytes_received
+            await until(lambda: receiver.counts.bytes_received > first)  # step 2 flows
+            process.kill()
+            await process.wait()
+        await until(lambda: receiver.counts.receives_failed == 1)
+        assert receiver.held["node-a"].step == 1
+        assert {rank: kept_bytes(receiver, "node-a", rank) for rank in RANKS} == kept
+        await until(lambda: len(region_files(receiver)) == len(RANKS))  # step 2's freed

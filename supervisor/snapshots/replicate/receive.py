@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0  # seconds a peer has to prove itself
 MAX_CONNECTIONS = 4  # served at once; more are closed at once (and counted)
+CHUNK = 1 << 20  # bytes received between two updates of the counters
 
 
 @dataclass(frozen=True)
@@ -226,10 +227,12 @@ class BuddyReceiver:
     def _fill(self, sock: socket.socket, incoming: _Incoming) -> str | None:
         """Receive every rank into its region, then check it; why not, or None."""
         for copy in incoming.push.ranks:
-            with _mapped(self.regions, incoming.regions[copy.rank], writable=True) as view, \
-                    view[:copy.size] as part:  # released even when the transfer is cut
-                recv_into_exact(sock, part)
-                self.counts.add("bytes_received", copy.size)
+            with _mapped(self.regions, incoming.regions[copy.rank], writable=True) as view:
+                for offset in range(0, copy.size, CHUNK):
+                    end = min(offset + CHUNK, copy.size)
+                    with view[offset:end] as part:  # released even when the transfer is cut
+                        recv_into_exact(sock, part)
+                    self.counts.add("bytes_received", end - offset)
         for copy in incoming.push.ranks:
             with _mapped(self.regions, incoming.regions[copy.rank]) as view:
                 if not zipformat.verify(view, copy.size, copy.checksum):

@@ -49,7 +49,8 @@ from supervisor.snapshots.replicate.wire import (
 
 logger = logging.getLogger(__name__)
 
-CHUNK = 4 << 20  # bytes per paced send (and per progress count)
+CHUNK = 4 << 20  # bytes per send (and per progress count)
+MIN_CHUNK = 64 << 10
 Address = tuple[str, int]
 OpenRegion = Callable[[Slot], int]  # a read-only descriptor of a slot's region
 
@@ -161,9 +162,11 @@ def _send_region(sock: socket.socket, fd: int, slot: Slot, encrypted: bool, pace
     with mmap.mmap(fd, slot.size, mmap.MAP_SHARED, mmap.PROT_READ) as mapped, \
             open(fd, "rb", closefd=False) as source:
         view = memoryview(mapped)
+        # paced: a twentieth of a second's bytes per send, so a low rate is smooth
+        chunk = CHUNK if pace.rate is None else int(max(MIN_CHUNK, min(CHUNK, pace.rate / 20)))
         try:
-            for offset in range(0, slot.size, CHUNK):
-                count = min(CHUNK, slot.size - offset)
+            for offset in range(0, slot.size, chunk):
+                count = min(chunk, slot.size - offset)
                 wait = pace.delay(count, clock())
                 if wait > 0:
                     time.sleep(wait)  # a worker thread: the pace is the point
