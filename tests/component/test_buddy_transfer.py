@@ -444,3 +444,18 @@ async def test_a_sender_killed_in_the_middle_leaves_the_older_copy(tmp_path: Pat
         assert receiver.held["node-a"].step == 1
         assert {rank: kept_bytes(receiver, "node-a", rank) for rank in RANKS} == kept
         await until(lambda: len(region_files(receiver)) == len(RANKS))  # step 2's freed
+
+
+async def test_a_buddy_that_stops_ends_a_transfer_in_flight_at_once(tmp_path: Path) -> None:
+    auth = Auth(secret=SECRET)
+    counts = ReplicaCounts()
+    node = make_node(tmp_path / "a", auth, rate=float(MIB), counts=counts)
+    node.save_all(3, nbytes=16 * MIB)  # 32 MiB at 1 MiB/s: half a minute if not ended
+    async with anyio.create_task_group() as tg:
+        async with buddy(tmp_path / "b", auth, counts=counts) as receiver:
+            aim(node, receiver)
+            tg.start_soon(node.sender.send_newest)
+            await until(lambda: counts.bytes_received > 0)
+        with anyio.fail_after(10):  # the buddy's supervisor stopped: the sender is told
+            await until(lambda: counts.transfers_failed == 1)
+    assert counts.receives_failed == 1 and node.table.readers == {}

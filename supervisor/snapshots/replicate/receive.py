@@ -39,6 +39,7 @@ from supervisor.snapshots.memory import Regions
 from supervisor.snapshots.replicate.auth import Auth
 from supervisor.snapshots.replicate.wire import (
     MAX_RANKS,
+    Abort,
     Answer,
     AuthRefused,
     Cut,
@@ -91,6 +92,7 @@ class BuddyReceiver:
     def __init__(self, regions: Regions, auth: Auth, *, host: str = "0.0.0.0",
                  port: int = 0, limit: int | None = None,
                  expected: frozenset[str] | None = None, io_timeout: float = 30.0,
+                 counts: ReplicaCounts | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.regions = regions
         self.auth = auth
@@ -100,10 +102,10 @@ class BuddyReceiver:
         self.expected = expected  # nodes whose copy we keep (None: any member)
         self.io_timeout = io_timeout
         self.clock = clock
-        self.counts = ReplicaCounts()
+        self.counts = counts if counts is not None else ReplicaCounts()  # may be shared
         self.held: dict[str, HeldCopy] = {}
         self._receiving: set[str] = set()  # nodes with a transfer in flight
-        self._connections: set[socket.socket] = set()
+        self._served = 0  # connections being served
         self._names = itertools.count()
         self._warned: set[str] = set()
 
@@ -126,33 +128,35 @@ class BuddyReceiver:
                         self._warn("accept", f"cannot accept a connection: {exc}")
                         await anyio.sleep(0.1)
                         continue
-                    if len(self._connections) >= MAX_CONNECTIONS:
+                    if self._served >= MAX_CONNECTIONS:
                         self.counts.add("busy_refused")
                         self._warn("busy", f"a connection is closed: {MAX_CONNECTIONS} "
                                    "are served already")
                         conn.close()
                         continue
-                    self._connections.add(conn)
                     tg.start_soon(self._serve, conn)
         finally:
             listener.close()
-            for conn in list(self._connections):  # wakes their threads: they end
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
 
     async def _serve(self, conn: socket.socket) -> None:
+        abort = Abort()
+        self._served += 1
         try:
-            await anyio.to_thread.run_sync(self._serve_blocking, conn, abandon_on_cancel=True)
+            await anyio.to_thread.run_sync(self._serve_blocking, conn, abort,
+                                           abandon_on_cancel=True)
         finally:
-            self._connections.discard(conn)
+            abort.abort()  # cancelled (the server stops): its thread ends at its next read
+            self._served -= 1
 
-    def _serve_blocking(self, conn: socket.socket) -> None:
+    def _serve_blocking(self, conn: socket.socket, abort: Abort) -> None:
         conn.setblocking(True)
         conn.settimeout(HANDSHAKE_TIMEOUT)
         sock = conn
         try:
             try:
+                abort.attach(conn)
                 sock, key = self.auth.accept(conn)
+                abort.attach(sock)  # TLS: the wrapped socket replaces the plain one
             except (AuthRefused, OSError) as exc:
                 self.counts.add("auth_refused")
                 self._warn("auth", f"refused a connection: {exc}")

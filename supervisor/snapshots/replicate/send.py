@@ -21,7 +21,6 @@ import logging
 import mmap
 import os
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,9 +35,9 @@ from supervisor.core.slots import Slot, SlotTable
 from supervisor.snapshots import zipformat
 from supervisor.snapshots.replicate.auth import Auth
 from supervisor.snapshots.replicate.wire import (
+    Abort,
     Answer,
     AuthRefused,
-    Cut,
     Push,
     RankCopy,
     Refused,
@@ -57,28 +56,6 @@ OpenRegion = Callable[[Slot], int]  # a read-only descriptor of a slot's region
 
 class Stale(Exception):
     """A region no longer holds the save its worker reported: not sent."""
-
-
-class Abort:
-    """Lets the event loop end a transfer its thread is blocked in (shut the socket)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self.aborted = False
-
-    def attach(self, sock: socket.socket) -> None:
-        with self._lock:
-            self._sock = sock
-            if self.aborted:
-                raise Cut("the transfer was aborted")
-
-    def abort(self) -> None:
-        with self._lock:
-            self.aborted = True
-            if self._sock is not None:
-                with contextlib.suppress(OSError):
-                    self._sock.shutdown(socket.SHUT_RDWR)
 
 
 @dataclass(frozen=True)
@@ -186,6 +163,7 @@ class BuddySender:
     def __init__(self, table: SlotTable, open_region: OpenRegion, auth: Auth, node: str,
                  *, rate: float | None = None, io_timeout: float = 30.0,
                  retry: tuple[float, float] = (1.0, 30.0),
+                 counts: ReplicaCounts | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.table = table
         self.open_region = open_region
@@ -195,7 +173,7 @@ class BuddySender:
         self.io_timeout = io_timeout
         self.retry = retry
         self.clock = clock
-        self.counts = ReplicaCounts()
+        self.counts = counts if counts is not None else ReplicaCounts()  # may be shared
         self.buddy: Address | None = None
         self.ranks: frozenset[int] = frozenset()
         self.world_size = 0

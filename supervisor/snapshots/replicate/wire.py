@@ -11,6 +11,7 @@ runs in worker threads.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import socket
@@ -63,7 +64,8 @@ class Refused(Exception):
 
 @dataclass
 class ReplicaCounts:
-    """Buddy copies on this node, both directions (``/metrics``). Threads add to it."""
+    """Buddy copies on this node, both directions (``/metrics``): one instance given to
+    the node's sender and receiver. Threads add to it."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -85,6 +87,28 @@ class ReplicaCounts:
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if not f.name.startswith("_")}
+
+
+class Abort:
+    """Lets the event loop end a transfer its thread is blocked in (shut the socket)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.aborted = False
+
+    def attach(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sock = sock
+            if self.aborted:
+                raise Cut("the transfer was aborted")
+
+    def abort(self) -> None:
+        with self._lock:
+            self.aborted = True
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
 
 
 def mac(key: bytes, data: bytes) -> bytes:
