@@ -21,12 +21,16 @@ from anyio.streams.text import TextReceiveStream
 from supervisor.core.slots import SlotTable
 from supervisor.snapshots.memory import Regions
 from supervisor.snapshots.replicate.auth import HELLO, NONCE, Auth, PeerTls
+from supervisor.snapshots.replicate.fetch import fetch
 from supervisor.snapshots.replicate.receive import BuddyReceiver
 from supervisor.snapshots.replicate.send import BuddySender
 from supervisor.snapshots.replicate.wire import (
     Answer,
+    Cut,
+    Fetch,
     Push,
     RankCopy,
+    Refused,
     ReplicaCounts,
     read_frame,
     send_frame,
@@ -459,3 +463,92 @@ async def test_a_buddy_that_stops_ends_a_transfer_in_flight_at_once(tmp_path: Pa
         with anyio.fail_after(10):  # the buddy's supervisor stopped: the sender is told
             await until(lambda: counts.transfers_failed == 1)
     assert counts.receives_failed == 1 and node.table.readers == {}
+
+
+# ---------------------------------------------------------------------------- fetching
+async def test_a_member_fetches_a_kept_copy_bit_for_bit(tmp_path: Path) -> None:
+    auth = Auth(secret=SECRET)
+    node = make_node(tmp_path / "a", auth)
+    node.save_all(3)
+    (tmp_path / "c").mkdir()
+    spare = Regions.create(tmp_path / "c")  # the node that takes over node-a's ranks
+    counts = ReplicaCounts()
+    async with buddy(tmp_path / "b", auth) as receiver:
+        aim(node, receiver)
+        await node.sender.send_newest()
+        fetched = await fetch(("127.0.0.1", receiver.port), auth, RANKS, 3, spare,
+                              counts=counts)
+        assert (fetched.node, fetched.step, sorted(fetched.ranks)) == ("node-a", 3, [2, 3])
+        for rank, held in fetched.ranks.items():
+            data = (spare.directory / held.region).read_bytes()[:held.size]
+            assert data == node.region_bytes(rank, 3)
+        assert counts.copies_fetched == 1
+        await until(lambda: receiver.counts.copies_served == 1)
+        one = await fetch(("127.0.0.1", receiver.port), auth, frozenset({3}), 3, spare,
+                          counts=counts)
+        assert sorted(one.ranks) == [3]
+
+
+async def test_a_fetch_of_a_step_not_kept_is_refused_and_leaves_nothing(
+        tmp_path: Path) -> None:
+    auth = Auth(secret=SECRET)
+    node = make_node(tmp_path / "a", auth)
+    node.save_all(3)
+    (tmp_path / "c").mkdir()
+    spare = Regions.create(tmp_path / "c")
+    counts = ReplicaCounts()
+    async with buddy(tmp_path / "b", auth) as receiver:
+        aim(node, receiver)
+        await node.sender.send_newest()
+        with pytest.raises(Refused, match="no copy of step 2"):
+            await fetch(("127.0.0.1", receiver.port), auth, RANKS, 2, spare, counts=counts)
+        with pytest.raises(Refused, match="no copy of step 3"):
+            await fetch(("127.0.0.1", receiver.port), auth, frozenset({0}), 3, spare,
+                        counts=counts)
+    assert os.listdir(spare.directory) == [] and counts.transfers_failed == 2
+
+
+async def test_a_fetcher_without_the_secret_gets_nothing(tmp_path: Path) -> None:
+    auth = Auth(secret=SECRET)
+    node = make_node(tmp_path / "a", auth)
+    node.save_all(3)
+    (tmp_path / "c").mkdir()
+    spare = Regions.create(tmp_path / "c")
+    async with buddy(tmp_path / "b", auth) as receiver:
+        aim(node, receiver)
+        await node.sender.send_newest()
+        served = receiver.counts.bytes_sent
+        with pytest.raises(OSError):  # the buddy hangs up on it
+            await fetch(("127.0.0.1", receiver.port), Auth(secret=b"a guess"), RANKS, 3,
+                        spare, counts=ReplicaCounts())
+        await until(lambda: receiver.counts.auth_refused == 1)
+        assert receiver.counts.bytes_sent == served == 0
+    assert os.listdir(spare.directory) == []
+
+
+async def test_a_fetch_cut_in_the_middle_leaves_nothing(tmp_path: Path) -> None:
+    auth = Auth(secret=SECRET)
+    node = make_node(tmp_path / "a", auth)
+    node.save_all(3)
+    (tmp_path / "c").mkdir()
+    spare = Regions.create(tmp_path / "c")
+    data = node.region_bytes(2, 3)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def half_a_buddy() -> None:  # proves itself, describes rank 2, sends half, hangs up
+        conn, _ = listener.accept()
+        with conn:
+            sock, key = auth.accept(conn)
+            read_frame(sock, Fetch, key)
+            send_frame(sock, Answer(True), key)
+            send_frame(sock, Push("node-a", 3, WORLD,
+                                  [RankCopy(2, len(data), _checksum(node, 2, 3))]), key)
+            sock.sendall(data[:len(data) // 2])
+
+    with listener:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(anyio.to_thread.run_sync, half_a_buddy)
+            with pytest.raises(Cut):
+                await fetch(("127.0.0.1", listener.getsockname()[1]), auth,
+                            frozenset({2}), 3, spare, counts=ReplicaCounts())
+    assert os.listdir(spare.directory) == []

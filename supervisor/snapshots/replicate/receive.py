@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import itertools
 import logging
-import mmap
 import os
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,21 +30,23 @@ import anyio.from_thread
 import anyio.to_thread
 from anyio.abc import TaskStatus
 
-from supervisor.core.buddies import Offer, admit
-from supervisor.core.slots import region_size
-from supervisor.snapshots import zipformat
+from supervisor.core.buddies import Offer, Pace, admit
 from supervisor.snapshots.memory import Regions
+from supervisor.snapshots.replicate import stream
 from supervisor.snapshots.replicate.auth import Auth
+from supervisor.snapshots.replicate.stream import HeldRank
 from supervisor.snapshots.replicate.wire import (
     MAX_RANKS,
     Abort,
     Answer,
     AuthRefused,
     Cut,
+    Fetch,
     Push,
+    RankCopy,
     ReplicaCounts,
     read_frame,
-    recv_into_exact,
+    read_request,
     send_frame,
 )
 
@@ -54,17 +54,6 @@ logger = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT = 10.0  # seconds a peer has to prove itself
 MAX_CONNECTIONS = 4  # served at once; more are closed at once (and counted)
-CHUNK = 1 << 20  # bytes received between two updates of the counters
-
-
-@dataclass(frozen=True)
-class HeldRank:
-    """One rank's snapshot kept for a buddy: its region, size and checksum."""
-
-    region: str
-    size: int
-    checksum: int
-    capacity: int
 
 
 @dataclass(frozen=True)
@@ -84,6 +73,7 @@ class _Incoming:
 
     push: Push
     regions: dict[int, HeldRank] = field(default_factory=dict)
+    kept: bool = False
 
 
 class BuddyReceiver:
@@ -106,7 +96,6 @@ class BuddyReceiver:
         self.held: dict[str, HeldCopy] = {}
         self._receiving: set[str] = set()  # nodes with a transfer in flight
         self._served = 0  # connections being served
-        self._names = itertools.count()
         self._warned: set[str] = set()
 
     # ------------------------------------------------------------------ serving
@@ -169,79 +158,96 @@ class BuddyReceiver:
                 conn.close()
 
     def _receive(self, sock: socket.socket, key: bytes | None) -> None:
-        incoming: _Incoming | None = None
         try:
-            push = read_frame(sock, Push, key)
-            held = self.held.get(push.node)  # a read of one dict entry: no race to fear
-            if held is not None and held.step == push.step:
-                send_frame(sock, Answer(True, held=True), key)
-                return
-            reason = anyio.from_thread.run_sync(self._admit, push)
-            if reason is not None:
-                send_frame(sock, Answer(False, reason), key)
-                return
-            incoming = _Incoming(push)
+            request = read_request(sock, key)
+            if isinstance(request, Fetch):
+                self._serve_fetch(sock, key, request)
+            else:
+                self._take(sock, key, request)
+        except (Cut, OSError) as exc:  # cut, timed out, reset: the older copy stays
+            self.counts.add("receives_failed")
+            self._warn("cut", f"a buddy transfer failed: {exc}")
+
+    def _take(self, sock: socket.socket, key: bytes | None, push: Push) -> None:
+        """A member sends its copy: admit, stage, receive, check, keep (or refuse)."""
+        held = self.held.get(push.node)  # a read of one dict entry: no race to fear
+        if held is not None and held.step == push.step:
+            send_frame(sock, Answer(True, held=True), key)
+            return
+        reason = anyio.from_thread.run_sync(self._admit, push)
+        if reason is not None:
+            send_frame(sock, Answer(False, reason), key)
+            return
+        incoming = _Incoming(push)
+        try:
             try:
-                self._stage(incoming)
+                incoming.regions = stream.stage(self.regions, push.ranks, "buddy")
             except OSError as exc:
-                self._release(incoming)  # before the answer: nothing lingers
-                incoming = None
                 self.counts.add("refused_no_room")
                 text = (f"no room for node {push.node!r}'s copy in {self.regions.directory}"
                         if exc.errno in (errno.ENOSPC, errno.ENOMEM)
                         else f"cannot make a region: {exc.strerror}")
                 self._warn("room", f"a buddy copy is refused: {text}")
+                self._release(incoming)  # before the answer: nothing lingers
                 send_frame(sock, Answer(False, text), key)
                 return
             send_frame(sock, Answer(True), key)
             sock.settimeout(self.io_timeout)
-            failed = self._fill(sock, incoming)
+            stream.fill(sock, self.regions, incoming.regions, push.ranks, self.counts)
+            failed = stream.check(self.regions, incoming.regions)
             if failed is not None:
-                self._release(incoming)
-                incoming = None
                 self.counts.add("receives_failed")
                 self._warn("check", f"node {push.node!r}'s copy of step {push.step} "
                            f"is dropped: {failed}")
+                self._release(incoming)
                 send_frame(sock, Answer(False, failed), key)
                 return
             anyio.from_thread.run_sync(self._keep, incoming)
-            incoming = None  # its regions are the kept copy's now
+            incoming.kept = True  # its regions are the kept copy's now
             self.counts.add("copies_received")
             send_frame(sock, Answer(True), key)
-        except (Cut, OSError) as exc:  # cut, timed out, reset: the older copy stays
-            self.counts.add("receives_failed")
-            self._warn("cut", f"a buddy transfer failed: {exc}")
         finally:
-            if incoming is not None:
+            if not incoming.kept:
                 self._release(incoming)
 
     def _release(self, incoming: _Incoming) -> None:
-        """Free a transfer's regions: it will never be kept."""
-        self._drop(incoming.regions.values())  # files: any thread may unlink them
+        """Free a transfer's regions: it will never be kept (idempotent)."""
+        stream.drop(self.regions, incoming.regions.values())  # any thread may unlink
+        incoming.regions = {}
         with contextlib.suppress(RuntimeError):  # the loop is gone, and the table with it
             anyio.from_thread.run_sync(self._receiving.discard, incoming.push.node)
 
-    def _stage(self, incoming: _Incoming) -> None:
-        for copy in incoming.push.ranks:
-            name = f"buddy{next(self._names)}-rank{copy.rank}"
-            capacity = region_size(copy.size)
-            self.regions.reserve(name, capacity)
-            incoming.regions[copy.rank] = HeldRank(name, copy.size, copy.checksum, capacity)
-
-    def _fill(self, sock: socket.socket, incoming: _Incoming) -> str | None:
-        """Receive every rank into its region, then check it; why not, or None."""
-        for copy in incoming.push.ranks:
-            with _mapped(self.regions, incoming.regions[copy.rank], writable=True) as view:
-                for offset in range(0, copy.size, CHUNK):
-                    end = min(offset + CHUNK, copy.size)
-                    with view[offset:end] as part:  # released even when the transfer is cut
-                        recv_into_exact(sock, part)
-                    self.counts.add("bytes_received", end - offset)
-        for copy in incoming.push.ranks:
-            with _mapped(self.regions, incoming.regions[copy.rank]) as view:
-                if not zipformat.verify(view, copy.size, copy.checksum):
-                    return f"rank {copy.rank}'s bytes do not match the save's checksum"
-        return None
+    def _serve_fetch(self, sock: socket.socket, key: bytes | None, fetch: Fetch) -> None:
+        """A member asks for ranks of a step kept here (it now runs them): the copy's
+        description, then each rank's bytes from the kept regions."""
+        found = anyio.from_thread.run_sync(self._find, fetch)
+        if isinstance(found, str):
+            send_frame(sock, Answer(False, found), key)
+            return
+        copy, ranks = found
+        fds: list[int] = []
+        try:
+            try:
+                fds = [stream.open_held(self.regions, copy.ranks[rank]) for rank in ranks]
+            except FileNotFoundError:  # replaced by a newer step since it was found
+                send_frame(sock, Answer(False, f"step {fetch.step} is no longer kept"), key)
+                return
+            send_frame(sock, Answer(True), key)
+            send_frame(sock, Push(copy.node, copy.step, copy.world_size,
+                                  [RankCopy(r, copy.ranks[r].size, copy.ranks[r].checksum)
+                                   for r in ranks]), key)
+            sock.settimeout(self.io_timeout)
+            pace = Pace(None)  # a restore waits for these bytes: never paced
+            for rank, fd in zip(ranks, fds, strict=True):
+                stream.send_region(sock, fd, copy.ranks[rank].size,
+                                   encrypted=self.auth.encrypted, pace=pace,
+                                   clock=self.clock, counts=self.counts)
+            if read_frame(sock, Answer, key).ok:
+                self.counts.add("copies_served")
+        finally:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
 
     # ------------------------------------------------------------------ the table (loop)
     def _admit(self, push: Push) -> str | None:
@@ -275,9 +281,17 @@ class BuddyReceiver:
                     len(push.ranks))
 
     def _drop(self, ranks: Iterable[HeldRank]) -> None:
-        for rank in ranks:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.regions.directory / rank.region)
+        stream.drop(self.regions, ranks)
+
+    def _find(self, fetch: Fetch) -> tuple[HeldCopy, list[int]] | str:
+        """The kept copy holding every rank ``fetch`` asks for at its step, or why not."""
+        wanted = sorted(set(fetch.ranks))
+        if not wanted or len(wanted) > MAX_RANKS:
+            return f"{len(wanted)} ranks: expected 1 to {MAX_RANKS}"
+        for copy in self.held.values():
+            if copy.step == fetch.step and set(wanted) <= set(copy.ranks):
+                return copy, wanted
+        return f"no copy of step {fetch.step} holding ranks {wanted} is kept here"
 
     def trim(self, step: int | None) -> None:
         """A restart restores ``step`` (None: nothing): copies of newer steps belong to
@@ -311,20 +325,3 @@ class BuddyReceiver:
         if kind not in self._warned:
             self._warned.add(kind)
             logger.warning("%s (further ones are counted)", text)
-
-
-@contextlib.contextmanager
-def _mapped(regions: Regions, rank: HeldRank, *, writable: bool = False
-            ) -> Iterator[memoryview]:
-    flags = os.O_RDWR if writable else os.O_RDONLY
-    fd = os.open(regions.directory / rank.region, flags | os.O_CLOEXEC | os.O_NOFOLLOW)
-    try:
-        access = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        with mmap.mmap(fd, rank.capacity, mmap.MAP_SHARED, access) as mapped:
-            view = memoryview(mapped)
-            try:
-                yield view
-            finally:
-                view.release()
-    finally:
-        os.close(fd)

@@ -34,6 +34,7 @@ from supervisor.core.buddies import Outgoing, Pace, newest_local
 from supervisor.core.slots import Slot, SlotTable
 from supervisor.snapshots import zipformat
 from supervisor.snapshots.replicate.auth import Auth
+from supervisor.snapshots.replicate.stream import send_region
 from supervisor.snapshots.replicate.wire import (
     Abort,
     Answer,
@@ -48,8 +49,6 @@ from supervisor.snapshots.replicate.wire import (
 
 logger = logging.getLogger(__name__)
 
-CHUNK = 4 << 20  # bytes per send (and per progress count)
-MIN_CHUNK = 64 << 10
 Address = tuple[str, int]
 OpenRegion = Callable[[Slot], int]  # a read-only descriptor of a slot's region
 
@@ -105,8 +104,8 @@ def _push(transfer: Transfer, step: int, world_size: int,
             return  # the buddy keeps this step already (a round that named it again)
         pace = Pace(transfer.rate)
         for (_rank, slot), fd in regions:
-            _send_region(sock, fd, slot, transfer.auth.encrypted, pace, clock,
-                         transfer.counts)
+            send_region(sock, fd, slot.size, encrypted=transfer.auth.encrypted, pace=pace,
+                        clock=clock, counts=transfer.counts)
         _expect_ok(read_frame(sock, Answer, key))
     finally:
         with contextlib.suppress(OSError):
@@ -132,29 +131,6 @@ def _expect_ok(answer: Answer) -> Answer:
     if not answer.ok:
         raise Refused(answer.reason)
     return answer
-
-
-def _send_region(sock: socket.socket, fd: int, slot: Slot, encrypted: bool, pace: Pace,
-                 clock: Callable[[], float], counts: ReplicaCounts) -> None:
-    with mmap.mmap(fd, slot.size, mmap.MAP_SHARED, mmap.PROT_READ) as mapped, \
-            open(fd, "rb", closefd=False) as source:
-        view = memoryview(mapped)
-        # paced: a twentieth of a second's bytes per send, so a low rate is smooth
-        chunk = CHUNK if pace.rate is None else int(max(MIN_CHUNK, min(CHUNK, pace.rate / 20)))
-        try:
-            for offset in range(0, slot.size, chunk):
-                count = min(chunk, slot.size - offset)
-                wait = pace.delay(count, clock())
-                if wait > 0:
-                    time.sleep(wait)  # a worker thread: the pace is the point
-                if encrypted:  # TLS encrypts in our memory, a chunk at a time
-                    with view[offset:offset + count] as part:
-                        sock.sendall(part)
-                else:  # the kernel copies from the region's pages to the socket
-                    sock.sendfile(source, offset, count)
-                counts.add("bytes_sent", count)
-        finally:
-            view.release()
 
 
 class BuddySender:

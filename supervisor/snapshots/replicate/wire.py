@@ -35,13 +35,26 @@ class RankCopy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     checksum: int
 
 
-class Push(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """A node offers its ranks' snapshots of ``step``."""
+class Push(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op",
+           tag="push"):
+    """A node offers its ranks' snapshots of ``step`` (and a buddy describes what it
+    sends back for a ``Fetch``)."""
 
     node: str
     step: int
     world_size: int
     ranks: list[RankCopy]
+
+
+class Fetch(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag_field="op",
+            tag="fetch"):
+    """A member asks for the copies of ``ranks`` at ``step`` (it runs those ranks now)."""
+
+    ranks: list[int]
+    step: int
+
+
+Request = Push | Fetch
 
 
 class Answer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -77,6 +90,8 @@ class ReplicaCounts:
     refused_no_room: int = 0  # copies refused here: over the limit or the tmpfs is full
     refused_by_buddy: int = 0  # copies our buddy refused
     busy_refused: int = 0  # connections closed at once: too many served already
+    copies_served: int = 0  # kept copies fetched from here by a member
+    copies_fetched: int = 0  # copies fetched from a buddy, checked
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False,
                                   compare=False)
 
@@ -122,6 +137,18 @@ def send_frame(sock: socket.socket, message: msgspec.Struct, key: bytes | None) 
 
 def read_frame(sock: socket.socket, kind: type[T], key: bytes | None) -> T:
     """One frame decoded as ``kind``; ``Cut`` if it is not one (or its MAC is wrong)."""
+    return _decode(_read_body(sock, key), msgspec.json.Decoder(kind))
+
+
+def read_request(sock: socket.socket, key: bytes | None) -> Push | Fetch:
+    """The first frame a buddy's server reads: a ``Push`` or a ``Fetch``."""
+    return _decode(_read_body(sock, key), _REQUEST)
+
+
+_REQUEST = msgspec.json.Decoder(Request)
+
+
+def _read_body(sock: socket.socket, key: bytes | None) -> bytes:
     (length,) = _LENGTH.unpack(recv_exact(sock, _LENGTH.size))
     if length > MAX_FRAME:
         raise Cut(f"a frame of {length} bytes")
@@ -129,8 +156,12 @@ def read_frame(sock: socket.socket, kind: type[T], key: bytes | None) -> T:
     if key is not None and not hmac.compare_digest(recv_exact(sock, MAC_SIZE),
                                                    mac(key, body)):
         raise Cut("a frame whose MAC does not match the session's")
+    return body
+
+
+def _decode(body: bytes, decoder: msgspec.json.Decoder[T]) -> T:
     try:
-        return msgspec.json.decode(body, type=kind)
+        return decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise Cut(f"a malformed frame: {exc}") from None
 
