@@ -37,6 +37,7 @@ from supervisor.snapshots.replicate.wire import (
 )
 from tests.support.etcd import make_tls_material
 from tests.support.paths import WORKERS
+from tests.support.ports import free_port
 from tests.support.snapshotbytes import save_step
 from tests.support.tmpfs import small_tmpfs
 
@@ -80,7 +81,8 @@ async def buddy(base: Path, auth: Auth, **kwargs: object) -> AsyncIterator[Buddy
     """A buddy's server on a loopback port of its own, serving until the block ends."""
     base.mkdir(exist_ok=True)
     regions = Regions.create(base)
-    receiver = BuddyReceiver(regions, auth, host="127.0.0.1", port=0, **kwargs)  # type: ignore[arg-type]
+    kwargs.setdefault("port", 0)
+    receiver = BuddyReceiver(regions, auth, host="127.0.0.1", **kwargs)  # type: ignore[arg-type]
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(receiver.run)
@@ -156,6 +158,23 @@ async def test_the_sender_task_sends_each_newer_step_when_woken(tmp_path: Path) 
         node.sender.wake()
         await until(lambda: node.sender.status()["sent_step"] == 2)
         assert receiver.held["node-a"].step == 2
+        tg.cancel_scope.cancel()
+
+
+async def test_a_buddy_that_comes_back_gets_the_copy(tmp_path: Path) -> None:
+    auth = Auth(secret=SECRET)
+    node = make_node(tmp_path / "a", auth, retry=(0.05, 0.2))
+    node.save_all(3)
+    port = free_port()  # nothing listens there yet: the buddy's supervisor is down
+    async with anyio.create_task_group() as tg:
+        await tg.start(node.sender.run)
+        node.sender.aim(("127.0.0.1", port), RANKS, WORLD)
+        await until(lambda: node.sender.counts.transfers_failed >= 2)  # retried
+        node.save_all(4)
+        node.sender.wake()
+        async with buddy(tmp_path / "b", auth, port=port) as receiver:
+            await until(lambda: node.sender.status()["sent_step"] == 4)
+            assert receiver.held["node-a"].step == 4  # the newest step, not the failed one
         tg.cancel_scope.cancel()
 
 

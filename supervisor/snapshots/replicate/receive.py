@@ -123,13 +123,13 @@ class BuddyReceiver:
                                    "are served already")
                         conn.close()
                         continue
+                    self._served += 1  # now: the next accept sees it
                     tg.start_soon(self._serve, conn)
         finally:
             listener.close()
 
     async def _serve(self, conn: socket.socket) -> None:
         abort = Abort()
-        self._served += 1
         try:
             await anyio.to_thread.run_sync(self._serve_blocking, conn, abort,
                                            abandon_on_cancel=True)

@@ -157,6 +157,7 @@ class BuddySender:
         self.sent_at: float | None = None
         self.failures = 0  # in a row
         self._wake = anyio.Event()
+        self._aimed = anyio.Event()
         self._warned: set[str] = set()
 
     def aim(self, buddy: Address | None, ranks: frozenset[int], world_size: int) -> None:
@@ -165,6 +166,8 @@ class BuddySender:
         step already says so without a byte sent)."""
         self.buddy, self.ranks, self.world_size = buddy, ranks, world_size
         self.sent = None
+        self.failures = 0
+        self._aimed.set()
         self.wake()
 
     def wake(self) -> None:
@@ -172,13 +175,17 @@ class BuddySender:
         self._wake.set()
 
     async def run(self, *, task_status: TaskStatus[None]) -> None:
+        """Send whenever woken; after a failure, again after the backoff (a buddy that is
+        gone is not called at every save), or at once when a new round aims elsewhere."""
         task_status.started()
         while True:
-            backoff = None if self.failures == 0 else min(
-                self.retry[1], self.retry[0] * 2 ** (self.failures - 1))
-            with anyio.move_on_after(backoff):
+            if self.failures:
+                with anyio.move_on_after(min(self.retry[1],
+                                             self.retry[0] * 2 ** (self.failures - 1))):
+                    await self._aimed.wait()
+            else:
                 await self._wake.wait()
-            self._wake = anyio.Event()
+            self._wake, self._aimed = anyio.Event(), anyio.Event()
             await self.send_newest()
 
     async def send_newest(self) -> int | None:
