@@ -265,6 +265,19 @@ async def test_a_tls_peer_without_a_client_certificate_is_refused(tmp_path: Path
         assert receiver.held == {}
 
 
+async def test_a_certificate_of_another_ca_is_refused(tmp_path: Path) -> None:
+    ours, theirs = make_tls_material(tmp_path / "ours"), make_tls_material(tmp_path / "theirs")
+    stranger = Auth(tls=PeerTls(str(ours.ca), str(theirs.client_cert), str(theirs.client_key)))
+    node = make_node(tmp_path / "a", stranger)
+    node.save_all(3)
+    server_auth = Auth(tls=PeerTls(str(ours.ca), str(ours.server_cert), str(ours.server_key)))
+    async with buddy(tmp_path / "b", server_auth) as receiver:
+        aim(node, receiver)
+        assert await node.sender.send_newest() is None
+        await until(lambda: receiver.counts.auth_refused == 1)
+        assert receiver.held == {} and receiver.counts.bytes_received == 0
+
+
 async def test_a_secret_sender_cannot_reach_a_tls_buddy(tmp_path: Path) -> None:
     tls = make_tls_material(tmp_path / "tls")
     node = make_node(tmp_path / "a", Auth(secret=SECRET), io_timeout=5.0)
