@@ -14,6 +14,7 @@ from supervisor.core.buddies import (
     replanned,
 )
 from supervisor.core.slots import REPLICATED, Reserved, SlotTable
+from supervisor.snapshots.replicate.auth import PeerTls, peer_tls
 
 MIB = 1 << 20
 
@@ -157,3 +158,10 @@ def test_an_idle_pause_gives_at_most_a_second_of_credit() -> None:
     pace.delay(100, 0.0)
     assert pace.delay(100, 60.0) == 0.0  # a second's worth, after a long pause
     assert pace.delay(100, 60.0) == pytest.approx(1.0)
+
+
+def test_mutual_tls_needs_a_ca_a_certificate_and_its_key() -> None:
+    full = {"cacert": "ca.pem", "cert": "node.pem", "key": "node.key", "user": "u"}
+    assert peer_tls(full) == PeerTls("ca.pem", "node.pem", "node.key")
+    assert peer_tls({"cacert": "ca.pem", "password_file": "p"}) is None  # the secret, then
+    assert peer_tls({}) is None

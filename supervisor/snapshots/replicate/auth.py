@@ -22,6 +22,7 @@ import hmac
 import secrets
 import socket
 import ssl
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from supervisor.snapshots.replicate.wire import MAC_SIZE, AuthRefused, mac, recv_exact
@@ -37,6 +38,17 @@ class PeerTls:
     cacert: str
     cert: str
     key: str
+
+
+def peer_tls(conf: Mapping[str, object]) -> PeerTls | None:
+    """The job's TLS material from ``--rdzv-conf``'s parsed keys, when it allows mutual
+    TLS (a CA and a certificate with its key); None otherwise (a CA alone, as for etcd
+    with a password, cannot prove this node to its peers: the job's secret is used)."""
+    files = [conf.get(name) for name in ("cacert", "cert", "key")]
+    if not all(isinstance(f, str) and f for f in files):
+        return None
+    cacert, cert, key = (str(f) for f in files)
+    return PeerTls(cacert, cert, key)
 
 
 class Auth:
