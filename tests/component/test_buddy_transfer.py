@@ -8,6 +8,7 @@ import os
 import socket
 import ssl
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -26,12 +27,14 @@ from supervisor.snapshots.replicate.receive import BuddyReceiver
 from supervisor.snapshots.replicate.send import BuddySender
 from supervisor.snapshots.replicate.wire import (
     Answer,
+    AuthRefused,
     Cut,
     Fetch,
     Push,
     RankCopy,
     Refused,
     ReplicaCounts,
+    mac,
     read_frame,
     send_frame,
 )
@@ -584,3 +587,36 @@ async def test_a_fetch_cut_in_the_middle_leaves_nothing(tmp_path: Path) -> None:
                 await fetch(("127.0.0.1", listener.getsockname()[1]), auth,
                             frozenset({2}), 3, spare, counts=ReplicaCounts())
     assert os.listdir(spare.directory) == []
+
+
+async def test_a_replayed_proof_is_refused() -> None:
+    auth = Auth(secret=SECRET)
+
+    def session(answer: bytes | None) -> tuple[bytes, bool]:
+        """One handshake over a socket pair: the client side answers with the secret, or
+        replays ``answer``; returns what it sent and whether the server accepted."""
+        server, client = socket.socketpair()
+        with server, client:
+            accepted: list[bool] = []
+
+            def serve() -> None:
+                try:
+                    auth.accept(server)
+                    accepted.append(True)
+                except AuthRefused:
+                    accepted.append(False)
+
+            thread = threading.Thread(target=serve)
+            thread.start()
+            hello = client.recv(len(HELLO) + NONCE, socket.MSG_WAITALL)
+            if answer is None:
+                ours = os.urandom(NONCE)
+                answer = ours + mac(SECRET, b"client" + hello[len(HELLO):] + ours)
+            client.sendall(answer)
+            thread.join(10)
+            return answer, accepted == [True]
+
+    recorded, ok = await anyio.to_thread.run_sync(session, None)
+    assert ok
+    _, replayed = await anyio.to_thread.run_sync(session, recorded)
+    assert not replayed  # the server's nonce is new: an old proof proves nothing
