@@ -11,6 +11,8 @@ supervisor over TCP, and kept there in shared memory.
   receives into regions of its own, checks every byte against the save's checksums and
   only then replaces the copy it kept; it also serves a kept copy back to a member.
 - ``fetch``: a member (the node that now runs a lost node's ranks) fetching them back.
+- ``copies``: one node's side put together (server, sender, counters) and what a new
+  round changes: the seam for the rendezvous integration.
 
 Which node is whose buddy comes from the round (``core.buddies.plan``); wiring it to the
 rendezvous, and fetching a lost node's copy before its ranks load (the call is here; using
