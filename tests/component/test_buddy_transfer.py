@@ -85,7 +85,8 @@ async def buddy(base: Path, auth: Auth, **kwargs: object) -> AsyncIterator[Buddy
     base.mkdir(exist_ok=True)
     regions = Regions.create(base)
     kwargs.setdefault("port", 0)
-    receiver = BuddyReceiver(regions, auth, host="127.0.0.1", **kwargs)  # type: ignore[arg-type]
+    kwargs.setdefault("host", "127.0.0.1")
+    receiver = BuddyReceiver(regions, auth, **kwargs)  # type: ignore[arg-type]
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(receiver.run)
@@ -131,6 +132,17 @@ async def test_a_step_reaches_the_buddy_bit_for_bit(tmp_path: Path) -> None:
         assert (node.sender.counts.copies_sent, receiver.counts.copies_received) == (1, 1)
         assert node.table.readers == {}  # the slots are unpinned once sent
         assert await node.sender.send_newest() is None  # the buddy has it already
+
+
+async def test_a_copy_crosses_ipv6(tmp_path: Path) -> None:
+    if not socket.has_ipv6:
+        pytest.skip("this Python has no IPv6")
+    auth = Auth(secret=SECRET)
+    node = make_node(tmp_path / "a", auth)
+    node.save_all(3)
+    async with buddy(tmp_path / "b", auth, host="::1") as receiver:
+        node.sender.aim(("::1", receiver.port), RANKS, WORLD)
+        assert await node.sender.send_newest() == 3
 
 
 async def test_a_newer_step_replaces_the_older_copy(tmp_path: Path) -> None:

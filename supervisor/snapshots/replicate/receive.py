@@ -101,7 +101,8 @@ class BuddyReceiver:
     # ------------------------------------------------------------------ serving
     async def run(self, *, task_status: TaskStatus[int]) -> None:
         """Listen, report the bound port, serve until cancelled."""
-        listener = socket.create_server((self.host, self.port), reuse_port=False)
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.create_server((self.host, self.port), family=family)
         listener.setblocking(False)
         try:
             self.port = listener.getsockname()[1]
