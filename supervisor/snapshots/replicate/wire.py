@@ -3,7 +3,9 @@
 After authentication (``auth``) the sender writes one ``Push`` frame; the buddy answers
 with an ``Answer`` (taken, or refused and why: no bytes follow a refusal); the sender
 streams each rank's bytes, in the order of ``Push.ranks``, exactly ``size`` each; the
-buddy answers again once every rank is checked and kept. A frame is a 4-byte big-endian
+buddy answers again once every rank is checked and kept. A member that fetches writes a
+``Fetch`` instead; the buddy answers, describes the copy in a ``Push``, streams it, and
+the fetcher answers once it checked it. A frame is a 4-byte big-endian
 length and a msgspec JSON body, followed, when the connection has a session key (the
 per-job secret), by the body's HMAC-SHA256 under that key. Blocking sockets only: this
 runs in worker threads.
