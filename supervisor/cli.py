@@ -147,10 +147,6 @@ def _run_parser() -> argparse.ArgumentParser:
           help="seconds between two steps persisted to --snapshot-dir (300)")
     _flag(p, "snapshot-resume-any", action="store_const", const=True,
           help="use a --snapshot-dir whose manifest names another run id")
-    _flag(p, "snapshot-port", type=int,
-          help="port of the supervisors' buddy copies of snapshots (default 29481, 0 = any)")
-    _flag(p, "snapshot-replicate-rate",
-          help="bytes per second a buddy copy is sent at, e.g. 200M (default: unlimited)")
     _flag(p, "restart-backoff", help="BASE:MAX seconds of exponential backoff (default 0:0)")
     _flag(p, "restart-budget-window", type=float, help="healthy seconds that refill the budget")
     _flag(p, "no-restart-exit-codes", type=_int_csv, help="exit codes that end the job at once")

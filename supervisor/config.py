@@ -103,9 +103,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     snapshot_dir: str | None = None  # complete steps persisted there, resumed from
     snapshot_persist_interval: float = 300.0  # seconds between two persisted steps
     snapshot_resume_any: bool = False  # use a snapshot_dir of another run id
-    # buddy copies (docs/snapshots.md): the supervisors' port for them, and their pace
-    snapshot_port: int = 29481  # 0: any free port
-    snapshot_replicate_rate: str = ""  # bytes per second, e.g. 200M ("": unlimited)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -128,11 +125,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def snapshot_limit(self) -> int | None:
         """``snapshot_memory_limit`` in bytes (None: no limit)."""
         return _bytes("snapshot_memory_limit", self.snapshot_memory_limit)
-
-    @property
-    def replicate_rate(self) -> int | None:
-        """``snapshot_replicate_rate`` in bytes per second (None: unlimited)."""
-        return _bytes("snapshot_replicate_rate", self.snapshot_replicate_rate)
 
 
 DEFAULT_HEALTH_PORT: Final = 29480  # used when no flag, file or variable names a port
@@ -299,7 +291,7 @@ def validate(s: Settings) -> None:
     """Range and cross-field checks msgspec's types cannot express. What the chosen
     rendezvous backend needs is the registry's to check (``registry.check_backend``)."""
     # each raises ConfigError if bad
-    s.min_nodes, s.local_world_size, s.backoff, s.snapshot_limit, s.replicate_rate  # noqa: B018
+    s.min_nodes, s.local_world_size, s.backoff, s.snapshot_limit  # noqa: B018
     checks: list[tuple[bool, str]] = [
         (s.max_restarts >= 0, f"max_restarts: must be >= 0, got {s.max_restarts}"),
         (s.node_rank >= 0, f"node_rank: must be >= 0, got {s.node_rank}"),
@@ -310,8 +302,6 @@ def validate(s: Settings) -> None:
         (-20 <= s.loop_nice <= 0, f"loop_nice: must be -20..0 (0: off), got {s.loop_nice}"),
         (s.health_port is None or 0 <= s.health_port <= 65535,
          f"health_port: must be 0..65535, got {s.health_port}"),
-        (0 <= s.snapshot_port <= 65535,
-         f"snapshot_port: must be 0..65535, got {s.snapshot_port}"),
         (s.master_port is None or 0 <= s.master_port <= 65535,
          f"master_port: must be 0..65535, got {s.master_port}"),
         (s.restart_budget_window is None or s.restart_budget_window > 0,
