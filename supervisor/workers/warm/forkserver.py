@@ -38,6 +38,7 @@ import msgspec
 
 from supervisor.workers.proctree import parent_of
 from supervisor.workers.spawn import DeathSignal, Worker, WorkerSpec, spawn_worker
+from supervisor.workers.warm.programs import preload_source
 
 logger = logging.getLogger(__name__)
 
@@ -115,10 +116,11 @@ class Forked:
 
 def bootstrap_argv(prefix: Sequence[str]) -> list[str]:
     """``python -u -c CODE``: run the program in a namespace of its own, so ``__main__``
-    is left as a cold interpreter leaves it for the user's code."""
+    is left as a cold interpreter leaves it for the user's code, with the child-side
+    preload module's text at hand (``programs``)."""
     source = PROGRAM.read_text(encoding="utf-8")
     code = (f"exec(compile({source!r}, {str(PROGRAM)!r}, 'exec'), "
-            f"{{'__name__': {NAMESPACE!r}}})")
+            f"{{'__name__': {NAMESPACE!r}, 'PRELOAD_SOURCE': {preload_source()!r}}})")
     return [*prefix, "-c", code]
 
 

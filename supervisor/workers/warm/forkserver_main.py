@@ -12,9 +12,10 @@ Protocol (SOCK_SEQPACKET on fd 0, one marshalled dict per message):
 1. The supervisor sends the configuration (``preload``, ``auto``, ``watch``, ``path0``,
    ``owner``). The server puts ``path0`` (the cold command's ``sys.path[0]``) in place,
    imports at the priority it was started with (a cold worker's: the import is one a
-   worker would do, once per node, and is never starved on a busy node), with every read
-   of a ``watch`` name through ``os.environ`` watched, then checks that no thread is left
-   (``/proc/self/task``) and that no device was initialised, and answers with its report.
+   worker would do, once per node, and is never starved on a busy node), with every use
+   of a ``watch`` name through ``os.environ`` watched (``childpreload``), then checks that
+   no thread is left (``/proc/self/task``) and that no device was initialised, and
+   answers with its report.
 2. A fork request carries each standby's environment and CPUs (``standbys``), with each
    standby's end of its socket pair as ``SCM_RIGHTS``. The server forks only from its main
    thread, only with no other thread, and double-forks: one intermediate child forks every
@@ -36,21 +37,32 @@ import sys
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
+
+    from supervisor.workers.warm import childpreload as preload
 else:
     Any = object  # what annotations evaluate to at run time
 
 if __name__ == "__elastic_forkserver__" and not getattr(sys.flags, "safe_path", False):
     del sys.path[0]  # the working directory, which Python put first for ``-c``
 
-TASKS = "/proc/self/task"
 PR_SET_PDEATHSIG = 1
 SIGKILL = 9
 THREAD_WAIT = 2.0  # seconds a thread the preload stopped may take to leave /proc/self/task
 MAX_MESSAGE = 1 << 20
 MAX_BATCH = 64  # standbys one request may ask for (descriptors in one message)
 
-# The site directories auto's modules must come from (the rule of ``autopreload``).
-SITE_DIRS = ("/site-packages/", "/dist-packages/")
+
+def _load_module(source: str, filename: str) -> "Any":
+    """``source`` run in a module object of its own (not in ``sys.modules``)."""
+    module = type(sys)("__elastic_preload__")
+    exec(compile(source, filename, "exec"), module.__dict__)
+    return module
+
+
+if not TYPE_CHECKING and __name__ == "__elastic_forkserver__":
+    # ``childpreload``'s text and file name, which ``forkserver.bootstrap_argv`` puts in
+    # this program's namespace (``programs.preload_source``)
+    preload = _load_module(*PRELOAD_SOURCE)  # noqa: F821
 
 
 def _main() -> int | None:
@@ -98,200 +110,35 @@ def _receive(ctl: Any, _socket: Any) -> tuple[bytes, list[int]]:
 
 # ---------------------------------------------------------------------- preload
 def _preload(config: "dict[str, Any]", _thread: "Any") -> "dict[str, Any]":
-    """Import the preload list; the report to send."""
+    """Import the preload list, then ``auto``'s names, watching per-attempt and per-rank
+    names (``childpreload``); the report to send."""
     path0 = config.get("path0")
     if path0 is not None and not getattr(sys.flags, "safe_path", False):
         sys.path.insert(0, path0)  # what Python puts first for the cold command
+    reads: list[str] = []
+    work = preload.Preload(reads, track_threads=True)
+    restore = preload.watch_environ(config.get("watch", ()), reads)
     try:
-        result = _import_all(config)
+        if work.explicit(config.get("preload", ())) and config.get("auto"):
+            work.auto(config["auto"])
     except BaseException as exc:
-        result = {"ok": False, "error": f"preloading failed: {type(exc).__name__}: {exc}"}
-    if not _alone(THREAD_WAIT, _thread) and result["ok"]:
-        culprit = result.get("threaded") or "the preload"
+        work.fail(f"preloading failed: {type(exc).__name__}: {exc}")
+    finally:
+        restore()
+    result: dict[str, Any] = {"ok": work.ok, "error": work.error, "tainted": work.tainted,
+                              "skipped": work.skipped[:20]}
+    if not _alone(THREAD_WAIT, _thread) and work.ok:
+        culprit = work.threaded or "the preload"
         result.update(ok=False, threaded=culprit,
                       error=f"{culprit} left a thread running: cannot fork safely")
-    else:
-        result.pop("threaded", None)  # it stopped (or was stopped at the probe fork)
     if result["ok"]:
-        torch = sys.modules.get("torch")
-        cuda = getattr(torch, "cuda", None)
-        if cuda is not None and cuda.is_initialized():
-            result.update(ok=False, error="preloading initialised CUDA")
+        work.check_cuda()
+        result.update(ok=work.ok, error=work.error)
     if result["ok"] and "gc" in sys.modules:
         # what the preload made is shared with every standby: keep the collector from
         # writing to (and so copying) those pages in each of them
         sys.modules["gc"].freeze()
     return result
-
-
-def _import_all(config: "dict[str, Any]") -> "dict[str, Any]":
-    """Import ``preload``, then ``auto``'s names, watching per-attempt and per-rank reads;
-    note the first module after whose import another thread ran (the suspect if one is
-    left at the end)."""
-    watch = frozenset(config.get("watch", ()))
-    reads: list[str] = []
-    restore = _watch_environ(watch, reads)
-    result: dict[str, Any] = {"ok": True, "skipped": []}
-    try:
-        for name in config.get("preload", ()):
-            try:
-                __import__(name)
-            except BaseException as exc:
-                return {"ok": False,
-                        "error": f"preloading {name!r} failed: {type(exc).__name__}: {exc}"}
-            if not _checked(name, reads, result):
-                return result
-        auto = config.get("auto")
-        if auto:
-            _import_auto(auto, reads, result)
-    finally:
-        restore()
-    result["skipped"] = result["skipped"][:20]
-    return result
-
-
-def _checked(name: str, reads: list[str], result: "dict[str, Any]") -> bool:
-    """False (and ``result`` says why) if ``name`` read a watched name while importing."""
-    if reads:
-        result.update(ok=False, tainted=name.partition(".")[0],
-                      error=f"{name!r} reads {reads[0]} while it imports")
-        return False
-    if "threaded" not in result and _thread_count() > 1:
-        result["threaded"] = name
-    return True
-
-
-def _import_auto(auto: "dict[str, Any]", reads: list[str], result: "dict[str, Any]") -> None:
-    """``--preload auto``: what a worker imported, from installed distributions only."""
-    import importlib.metadata  # only auto needs it
-
-    installed = importlib.metadata.packages_distributions()
-    exclude = frozenset(auto.get("exclude", ()))
-    skipped = result["skipped"]
-    for name in auto.get("names", ()):
-        top = name.partition(".")[0]
-        if top not in installed or top in exclude or name in sys.modules:
-            continue
-        where = _origin(top)
-        if where is None or not _installed_from(where, installed.get(top, ())):
-            skipped.append(f"{name} (would come from {where or 'nowhere'}, "
-                           f"not from its installed distribution)")
-            continue
-        try:
-            __import__(name)
-        except Exception as exc:  # a module made on the fly, or one that fails
-            skipped.append(f"{name} ({type(exc).__name__}: {exc})")
-            continue
-        if not _checked(name, reads, result):
-            return
-
-
-def _origin(top: str) -> str | None:
-    """Where the import system finds ``top`` with this ``sys.path`` (the cold one), or
-    where it was already imported from; None if it finds no file."""
-    module = sys.modules.get(top)
-    where = getattr(module, "__file__", None) if module is not None else None
-    if where is None:
-        finder = sys.modules["_frozen_importlib_external"].PathFinder
-        spec = finder.find_spec(top)
-        if spec is None:
-            return None
-        where = spec.origin
-        if where in (None, "namespace") and spec.submodule_search_locations:
-            where = next(iter(spec.submodule_search_locations))
-    return os.path.realpath(where) if isinstance(where, str) else None
-
-
-def _installed_from(where: str, dists: "Any") -> bool:
-    """Whether ``where`` lies where one of ``dists`` (distribution names) is installed,
-    i.e. it is that distribution's file and not one of the user's that shadows it."""
-    import importlib.metadata
-
-    for dist_name in dists:
-        try:
-            base = os.path.realpath(str(importlib.metadata.distribution(dist_name)
-                                        .locate_file("")))
-        except Exception:  # metadata unreadable: not evidence for the file
-            continue
-        if where.startswith(os.path.join(base, "")):
-            return True
-    return False
-
-
-def _in_site_dir(path: str) -> bool:
-    return any(part in path for part in SITE_DIRS)
-
-
-def _watch_environ(watch: frozenset[str], reads: list[str]) -> Any:
-    """Record each lookup of a ``watch`` name through ``os.environ``, ``os.getenv``,
-    ``os.environb`` or a copy made by ``os.environ.copy()``; returns the undo.
-
-    A copy or an iteration alone looks up only the names that are present, and those
-    are never watched ones (absent here), so neither taints."""
-    if not watch:
-        return lambda: None
-    watch_b = frozenset(os.fsencode(n) for n in watch)
-
-    def note(key: object) -> None:
-        if key in watch or key in watch_b:
-            reads.append(os.fsdecode(key) if isinstance(key, bytes) else str(key))
-
-    class WatchedCopy(dict):  # type: ignore[type-arg]
-        def __getitem__(self, key: Any) -> Any:
-            note(key)
-            return dict.__getitem__(self, key)
-
-        def __contains__(self, key: object) -> bool:
-            note(key)
-            return dict.__contains__(self, key)
-
-        def get(self, key: Any, default: Any = None) -> Any:
-            note(key)
-            return dict.get(self, key, default)
-
-        def pop(self, key: Any, *default: Any) -> Any:
-            note(key)
-            return dict.pop(self, key, *default)
-
-        def setdefault(self, key: Any, default: Any = None) -> Any:
-            note(key)
-            return dict.setdefault(self, key, default)
-
-        def copy(self) -> "WatchedCopy":
-            return WatchedCopy(self)
-
-    base = type(os.environ)
-
-    class Watched(base):  # type: ignore[valid-type,misc]
-        def __getitem__(self, key: Any) -> Any:  # also get, getenv, pop, setdefault
-            note(key)
-            return base.__getitem__(self, key)
-
-        def __contains__(self, key: object) -> bool:
-            note(key)
-            return base.__contains__(self, key)
-
-        def copy(self) -> "WatchedCopy":
-            return WatchedCopy(base.copy(self))
-
-    targets = [os.environ, getattr(os, "environb", None)]
-    for target in targets:
-        if target is not None:
-            target.__class__ = Watched
-
-    def restore() -> None:
-        for target in targets:
-            if target is not None:
-                target.__class__ = base
-
-    return restore
-
-
-def _thread_count() -> int:
-    try:
-        return len(os.listdir(TASKS))
-    except OSError:
-        return 1
 
 
 def _alone(timeout: float, _thread: "Any") -> bool:
@@ -317,7 +164,7 @@ def _wait_alone(timeout: float, _thread: "Any") -> bool:
     pause = _thread.allocate_lock()
     pause.acquire()
     waited = 0.0
-    while _thread_count() > 1:
+    while preload.thread_count() > 1:
         if waited >= timeout:
             return False
         pause.acquire(timeout=0.002)
@@ -368,8 +215,8 @@ def _fork(request: dict[str, Any], fds: list[int], owner: int, prctl: Any,
     standbys = request.get("standbys")
     if not isinstance(standbys, list) or not standbys or len(fds) != len(standbys):
         return {"error": f"expected one descriptor per standby, got {len(fds)}"}
-    if _thread_count() != 1:  # never fork a process that has another thread
-        return {"error": f"the fork server has {_thread_count()} threads"}
+    if preload.thread_count() != 1:  # never fork a process that has another thread
+        return {"error": f"the fork server has {preload.thread_count()} threads"}
     gate_r, gate_w = os.pipe()  # EOF once the intermediate child has exited
     pid_r, pid_w = os.pipe()
     middle = os.fork()
@@ -563,7 +410,7 @@ def _wait_and_run(sock_fd: int) -> None:
     os.environ.update(go["env"])
     sys.orig_argv[:] = go["orig_argv"]
     if go.get("record"):
-        _start_recorder(go["record"], go["argv"])
+        preload.start_recorder(go["record"], go["argv"])
     _run_main(go["argv"])
 
 
@@ -588,35 +435,6 @@ def _await_store(host: str, port: int, limit: float) -> None:
             time.sleep(0.002)
         finally:
             probe.close()
-
-
-def _start_recorder(out: str, argv: list[str]) -> None:
-    """``--preload auto``: note what this worker imports, for the next fork server."""
-    import _thread
-
-    skip = os.path.join(os.path.realpath(
-        os.getcwd() if argv[0] in ("-m", "-c") else os.path.dirname(argv[0])), "")
-
-    def record() -> None:
-        wait = _thread.allocate_lock()
-        wait.acquire()
-        for delay in (1, 4, 15, 40):
-            wait.acquire(timeout=delay)
-            names = []
-            for name, module in list(sys.modules.items()):
-                where = getattr(module, "__file__", None)
-                if isinstance(where, str):
-                    where = os.path.realpath(where)
-                    if not where.startswith(skip) or _in_site_dir(where):
-                        names.append(name)
-            try:
-                with open(out + ".tmp", "wb") as f:
-                    f.write("\n".join(names).encode())
-                os.replace(out + ".tmp", out)
-            except OSError:
-                return
-
-    _thread.start_new_thread(record, ())
 
 
 def _run_main(argv: list[str]) -> None:

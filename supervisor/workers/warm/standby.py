@@ -28,6 +28,7 @@ import msgspec
 from supervisor.core.envs import PER_ATTEMPT_ENV, interpreter
 from supervisor.workers.spawn import DeathSignal, Start, Worker, WorkerSpec, spawn_worker
 from supervisor.workers.warm import autopreload, reports
+from supervisor.workers.warm.programs import preload_source
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,11 @@ __all__ = ["PER_ATTEMPT_ENV", "SETUP_WAIT", "Standby", "StandbyOptions", "discar
 
 @functools.cache
 def standby_code() -> str:
-    """The standby program's text, run as ``python -u -c TEXT`` (see standby_main)."""
-    return (Path(__file__).parent / "standby_main.py").read_text(encoding="utf-8")
+    """The standby program's text and the call that runs it with the child-side preload
+    module's text (``programs``), run as ``python -u -c TEXT`` (see standby_main)."""
+    program = (Path(__file__).parent / "standby_main.py").read_text(encoding="utf-8")
+    source, filename = preload_source()
+    return f"{program}\n_standby({source!r}, {filename!r})\n"
 
 
 class StandbyOptions(msgspec.Struct, frozen=True):

@@ -1,4 +1,6 @@
-# The standby program. The spawner reads this file and runs its text as
+# The standby program. The spawner reads this file and runs its text, followed by the call
+# ``_standby(PRELOAD_TEXT, PRELOAD_FILE)`` that hands it the child-side preload module
+# (``childpreload``, which the fork server runs too), as
 # ``python -u -c TEXT [MODULE,...] [AUTO_SPEC]`` (standby.standby_code), so the standby
 # gets exactly the sys.path and sys.modules a cold ``python -u`` start gets: nothing of
 # the supervisor's package is imported, and ``-c`` puts the cwd first on sys.path as
@@ -19,7 +21,7 @@
 # ruff: noqa: F821, SIM105
 
 
-def _standby() -> None:
+def _standby(preload_source: str, preload_file: str) -> None:
     import sys
 
     # Our own imports must not find a user's file: drop the working directory that ``-c``
@@ -38,107 +40,22 @@ def _standby() -> None:
     sock = _socket.socket(fileno=0)
     if not sys.flags.safe_path:
         sys.path.insert(0, sys.argv[1] if len(sys.argv) > 1 else "")
-    preload = [m for m in sys.argv[2].split(",") if m] if len(sys.argv) > 2 else []
+    explicit = [m for m in sys.argv[2].split(",") if m] if len(sys.argv) > 2 else []
     auto = sys.argv[3] if len(sys.argv) > 3 else None
     done = _thread.allocate_lock()
     failure: list[str] = []
     skipped: list[str] = []
 
-    def _auto(path: str) -> None:
-        # modules an earlier worker of this rank imported from installed distributions;
-        # one that reads a per-attempt variable while it imports taints the standby
-        with open(path, "rb") as f:
-            spec = marshal.loads(f.read())
-        os.unlink(path)
-        import importlib.metadata
-        installed = importlib.metadata.packages_distributions()
-        watch, reads = frozenset(spec["watch"]), []
-        watch_b = frozenset(os.fsencode(n) for n in watch)
+    # the preload and the environment watch, shared with the fork server: a module object
+    # of its own, never in sys.modules (programs.preload_source), run when it is needed
+    preload = type(sys)("__elastic_preload__")
+    preloading = bool(explicit or auto)
 
-        def note(key: object) -> None:
-            if key in watch or key in watch_b:
-                reads.append(os.fsdecode(key) if isinstance(key, bytes) else str(key))
+    def _load() -> None:
+        exec(compile(preload_source, preload_file, "exec"), preload.__dict__)
 
-        class WatchedCopy(dict):  # type: ignore[type-arg]
-            # os.environ.copy() while importing: its lookups count as reads too
-            def __getitem__(self, key: object) -> object:
-                note(key)
-                return dict.__getitem__(self, key)
-
-            def __contains__(self, key: object) -> bool:
-                note(key)
-                return dict.__contains__(self, key)
-
-            def get(self, key: object, default: object = None) -> object:
-                note(key)
-                return dict.get(self, key, default)
-
-            def copy(self) -> "WatchedCopy":
-                return WatchedCopy(self)
-
-        base = type(os.environ)
-
-        class Watched(base):  # type: ignore[valid-type,misc]
-            # os.environ[...], .get, os.getenv, `in`; a copy or an iteration looks up
-            # only names that are present, never a per-attempt one (absent here)
-            def __getitem__(self, key: str) -> str:
-                note(key)
-                return base.__getitem__(self, key)
-
-            def __contains__(self, key: object) -> bool:
-                note(key)
-                return base.__contains__(self, key)
-
-            def copy(self) -> "WatchedCopy":
-                return WatchedCopy(base.copy(self))
-
-        def origin(top: str) -> str | None:
-            # the file the import system would take ``top`` from with this sys.path
-            found = sys.modules["_frozen_importlib_external"].PathFinder.find_spec(top)
-            if found is None:
-                return None
-            where = found.origin
-            if where in (None, "namespace") and found.submodule_search_locations:
-                where = next(iter(found.submodule_search_locations))
-            return os.path.realpath(where) if isinstance(where, str) else None
-
-        def installed_from(where: str, dists: list[str]) -> bool:
-            # under the directory one of the distributions is installed in
-            for dist_name in dists:
-                try:
-                    base = os.path.realpath(str(importlib.metadata.distribution(
-                        dist_name).locate_file("")))
-                except Exception:  # metadata unreadable: not evidence for the file
-                    continue
-                if where.startswith(os.path.join(base, "")):
-                    return True
-            return False
-
-        environs = [os.environ, os.environb]
-        for environ in environs:
-            environ.__class__ = Watched
-        try:
-            for name in spec["names"]:
-                top = name.partition(".")[0]
-                if top not in installed or top in spec["exclude"] or name in sys.modules:
-                    continue
-                where = origin(top)  # an installed name, but is it the installed file?
-                if where is None or not installed_from(where, installed.get(top, [])):
-                    skipped.append(f"{name} (would come from {where}, not from its "
-                                   f"installed distribution)")
-                    continue
-                try:
-                    __import__(name)
-                except Exception as exc:  # a module made on the fly, or one that fails
-                    skipped.append(f"{name} ({type(exc).__name__}: {exc})")
-                if reads:
-                    failure.append(f"T{top}\t{name!r} reads {reads[0]} while it imports")
-                    return
-        finally:
-            for environ in environs:
-                environ.__class__ = base
-
-    if preload or auto:
+    if preloading:
+        _load()
         done.acquire()
 
         def _preload() -> None:
@@ -148,21 +65,25 @@ def _standby() -> None:
                         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
                 except (AttributeError, OSError):
                     pass
-                for name in preload:
+                reads: list[str] = []
+                work = preload.Preload(reads)
+                if work.explicit(explicit) and auto:
+                    # modules an earlier worker of this rank imported from installed
+                    # distributions; one that uses a per-attempt variable as it imports
+                    # taints the standby
+                    spec = preload.read_spec(auto)
+                    restore = preload.watch_environ(spec["watch"], reads)
                     try:
-                        __import__(name)
-                    except BaseException as exc:
-                        failure.append(f"preloading {name!r} failed: "
-                                       f"{type(exc).__name__}: {exc}")
-                        return
-                if auto:
-                    _auto(auto)
-                    if failure:
-                        return
-                torch = sys.modules.get("torch")
-                cuda = getattr(torch, "cuda", None)
-                if cuda is not None and cuda.is_initialized():
-                    failure.append("preloading initialised CUDA")
+                        work.auto(spec)
+                    finally:
+                        restore()
+                work.check_cuda()
+                skipped[:] = work.skipped
+                top = work.tainted
+                if top is not None:
+                    failure.append(f"T{top}\t{work.error}")
+                elif not work.ok:
+                    failure.append(work.error)
             except BaseException as exc:
                 failure.append(f"preloading failed: {type(exc).__name__}: {exc}")
             finally:
@@ -197,7 +118,7 @@ def _standby() -> None:
             need = 8 + int.from_bytes(data[:8], "big")
     go = marshal.loads(data[8:need])
     del data, chunk, anc
-    if preload or auto:
+    if preloading:
         done.acquire()  # handed over while still importing: finish first (ahead of cold)
     sock.detach()
     null = os.open(os.devnull, os.O_RDWR)
@@ -235,31 +156,11 @@ def _standby() -> None:
     argv = go["argv"]
     record = go.get("record")
     if record:  # --preload auto: note what this worker imports, for the next standby
-        def _record(out: str, skip: str) -> None:
-            wait = _thread.allocate_lock()
-            wait.acquire()
-            for delay in (1, 4, 15, 40):
-                wait.acquire(timeout=delay)
-                names = []
-                for name, module in list(sys.modules.items()):
-                    where = getattr(module, "__file__", None)
-                    if isinstance(where, str):
-                        where = os.path.realpath(where)
-                        if not where.startswith(skip) or (
-                                "/site-packages/" in where or "/dist-packages/" in where):
-                            names.append(name)
-                try:
-                    with open(out + ".tmp", "wb") as f:
-                        f.write("\n".join(names).encode())
-                    os.replace(out + ".tmp", out)
-                except OSError:
-                    return
-
-        skip = os.path.join(os.path.realpath(
-            os.getcwd() if argv[0] in ("-m", "-c") else os.path.dirname(argv[0])), "")
-        _thread.start_new_thread(_record, (record, skip))
-        del skip
-    del go, fds, done, failure, skipped, preload, auto, record
+        if not preloading:
+            _load()
+        preload.start_recorder(record, argv)
+    del go, fds, done, failure, skipped, explicit, auto, record, preload, _load
+    del preloading, preload_source, preload_file
     main.clear()
     main.update(initial)
     del initial
@@ -310,5 +211,3 @@ def _standby() -> None:
         sys.exit(1)
 
 
-if __name__ == "__main__":
-    _standby()
