@@ -49,6 +49,7 @@ from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads, interpreter, standby_python
 from supervisor.core.slots import Restore
 from supervisor.core.snapshot import ProgressTable, Snapshot
+from supervisor.core.warm import attempt_may_follow
 from supervisor.discovery import announce, local_url
 from supervisor.events import EventLog
 from supervisor.healing import make_healing
@@ -96,7 +97,7 @@ from supervisor.workers.nodecheck import CheckLauncher
 from supervisor.workers.output import OutputPlan, OutputSpecError
 from supervisor.workers.spawn import SPAWNER, DeathSignal
 from supervisor.workers.topology import cpus_for
-from supervisor.workers.warm.base import NullPool, Pool, attempt_may_follow
+from supervisor.workers.warm.base import NullPool, Pool
 
 logger = logging.getLogger(__name__)
 

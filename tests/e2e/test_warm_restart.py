@@ -151,16 +151,18 @@ async def test_no_warm_restart_starts_every_attempt_cold(tmp_path: Path) -> None
 def embedded(patch: str) -> list[str]:
     """The embedded API's run (``tests/workers/embedded_run.py``: standbys that import for
     themselves, the rule where no fork server can serve) with ``patch`` applied to the
-    pool's constants: ``PRELOAD_AFTER = 0`` has them start at once after a launch."""
+    pool's constants (``g``: the pool, ``s``: its standby set): ``PRELOAD_AFTER = 0`` has
+    them start at once after a launch."""
     return [sys.executable, "-c",
-            f"import runpy, sys, supervisor.workers.warm.pool as g; {patch}; "
+            "import runpy, sys, supervisor.workers.warm.pool as g, "
+            f"supervisor.workers.warm.standbyset as s; {patch}; "
             f"sys.argv[0] = {EMBEDDED_RUN!r}; runpy.run_path({EMBEDDED_RUN!r}, "
             "run_name='__main__')"]
 
 
 EMBEDDED_RUN = str(WORKERS / "embedded_run.py")
 EMBEDDED = embedded("g.PRELOAD_AFTER = 0.0")
-PATIENT = embedded("g.PRELOAD_AFTER = 0.0; g.STAGGER = 600.0")
+PATIENT = embedded("g.PRELOAD_AFTER = 0.0; s.STAGGER = 600.0")
 # A preload that takes as long as the test wants. PRELOAD_GATE is a FIFO: opening it to
 # read returns once the test opens it to write. With PRELOAD_STARTED (a FIFO too) it first
 # tells the test that it is importing.

@@ -17,13 +17,6 @@ if TYPE_CHECKING:
     from supervisor.workers.warm.memory import MemorySample
 
 
-def attempt_may_follow(restart_count: int, max_restarts: int,
-                       membership_can_change: bool) -> bool:
-    """Whether another attempt may follow the one with ``restart_count`` (so standbys are
-    worth their memory): failure restarts left, or a backend whose membership can change."""
-    return membership_can_change or restart_count < max_restarts
-
-
 class Pool(Protocol):
     """What the worker group needs of a pool of standbys."""
 
