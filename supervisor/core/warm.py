@@ -90,7 +90,7 @@ def cold_reason(runs_warm: bool, changed: str | None,
     return None
 
 
-def store_to_await(store_seen: bool, rank_offset: int | None, global_rank: int,
+def store_to_await(store_seen: bool, rank_offset: int, global_rank: int,
                    master: tuple[str, int]) -> tuple[str, int, float] | None:
     """Where a preloaded warm rank waits for rank 0's store before the user's code dials it
     (host, port, at most seconds), or None: only once the job is known to use rank 0's

@@ -1,6 +1,9 @@
 """Warm restarts: a standby per local rank, so the next attempt's worker skips start-up.
 
-``pool`` decides which ranks get one and when, ``standby`` is one standby's handle,
-``standby_main`` the program it runs, ``reports`` its one report, ``autopreload`` what
-``--preload auto`` learns. See docs/design.md ("Warm restarts").
+``pool`` acts on what ``core.warm`` decides (when, which ranks, from where), ``supply``
+supplies a standby (forked or spawned, one protocol), ``standbyset`` holds and starts
+them, ``standby`` is one standby's handle, ``standby_main`` the program it runs,
+``reports`` its one report, ``autolearn`` and ``autopreload`` what ``--preload auto``
+learns, ``childpreload`` the preload both child programs run. See docs/design.md ("Warm
+restarts").
 """

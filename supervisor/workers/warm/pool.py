@@ -15,9 +15,7 @@ restarts").
 
 from __future__ import annotations
 
-import errno
 import logging
-import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,6 +43,7 @@ from supervisor.workers.warm.standby import (
     standby_env,
 )
 from supervisor.workers.warm.standbyset import StandbyPlan, StandbySet
+from supervisor.workers.warm.store import RankZeroStore
 from supervisor.workers.warm.supply import ForkedSupply, SpawnedSupply, StandbyRequest
 
 if TYPE_CHECKING:
@@ -101,8 +100,7 @@ class WarmPool:
         self._preparing: StandbyPlan | None = None  # due from a server being prepared
         self._attempt: Attempt | None = None  # the one being started, then running
         self._due: StandbyPlan | None = None  # planned at the launch, started by ``run``
-        # whether rank 0's store listened on MASTER_PORT in an earlier attempt (learned)
-        self.store_seen = False
+        self.store = RankZeroStore()
         self._launched_at = 0.0  # monotonic time of the last launch
         # launch -> every rank's first progress of this node's last cold attempt
         self.cold_startup: float | None = None
@@ -518,23 +516,15 @@ class WarmPool:
         return Start(cold_reason=self.cold.reason(local_rank, failing))
 
     def _await_store(self, spec: WorkerSpec) -> tuple[str, int, float] | None:
-        """Where a preloaded warm rank waits for rank 0's store (``core.warm.store_to_await``;
-        a store of its own per attempt, as before: nothing is reused)."""
+        """Where a preloaded warm rank waits for rank 0's store (``store.RankZeroStore``)."""
         attempt = self._attempt
-        if attempt is None:
-            return None
-        layout = attempt.layout
-        return warm.store_to_await(self.store_seen, layout.rank_offset, spec.global_rank,
-                                   (layout.master_addr, layout.master_port))
+        return None if attempt is None else self.store.wait_for(attempt.layout,
+                                                                 spec.global_rank)
 
     def _learn_store(self, attempt: Attempt) -> None:
-        """Note whether rank 0 (if it runs here) has its store listening on MASTER_PORT
-        (only preloaded standbys use it)."""
-        if self.preloading and not self.store_seen and attempt.layout.rank_offset == 0:
-            self.store_seen = port_listening(attempt.layout.master_port)
-            if self.store_seen:
-                logger.debug("rank 0 hosts a store on port %d: warm ranks will wait for it",
-                             attempt.layout.master_port)
+        """Learn whether rank 0 hosts a store here (only preloaded standbys use it)."""
+        if self.preloading:
+            self.store.learn(attempt.layout)
 
     # ------------------------------------------------------------------ the end
     def pids(self) -> set[int]:
@@ -557,26 +547,3 @@ def _running(attempt: Attempt) -> bool:
     """Whether the attempt still runs: not stopping, and not every worker exited (the
     group then waits at the exit barrier or stops: no next attempt to prepare for)."""
     return not attempt.stopping and any(w.status is None for w in attempt.workers)
-
-
-def port_listening(port: int) -> bool:
-    """Whether something of this host holds ``port`` (rank 0's store listening on it).
-
-    A bind test, not a read of ``/proc/net/tcp``: that table holds every connection of the
-    host (thousands under a busy health endpoint) and took milliseconds of the loop at
-    every stop. Binding the wildcard address (with ``SO_REUSEADDR``, so connections in
-    TIME_WAIT do not count) fails while any socket listens on the port."""
-    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-        try:
-            probe = socket.socket(family, socket.SOCK_STREAM)
-        except OSError:
-            continue  # no IPv6 here
-        try:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            probe.bind((address, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return True
-        finally:
-            probe.close()
-    return False
