@@ -34,6 +34,7 @@ from supervisor.workers.spawn import SPAWNER, DeathSignal, Spawner, Start, Worke
 from supervisor.workers.warm import autopreload
 from supervisor.workers.warm.autolearn import AutoLearner
 from supervisor.workers.warm.base import Preview
+from supervisor.workers.warm.firstattempt import FirstStandbys
 from supervisor.workers.warm.forkserver import ForkServerConfig, cold_path0
 from supervisor.workers.warm.standby import (
     PER_ATTEMPT_ENV,
@@ -106,9 +107,10 @@ class WarmPool:
         self.cold_startup: float | None = None
         self._waited_for: int | None = None  # the importing server a restart waited for
         progress.listeners.append(self._on_progress)
-        self._preview: Preview | None = None  # the first attempt's ranks (``warm_up``)
-        self._previewed = anyio.Event()
-        self._first_forked = anyio.Event()  # ``_stand_by_first`` forked or gave up
+        self.first = None if forks is None else FirstStandbys(
+            forks, self.standbys, self.learner, start=self._start,
+            config_for=lambda p: self._config_for(p.argv, None, p.envs),
+            begun=lambda: self._attempt is not None)
 
     @property
     def preloading(self) -> bool:
@@ -233,20 +235,13 @@ class WarmPool:
             await self._start(self._plan(attempt))
 
     def warm_up(self, preview: Preview | None) -> None:
-        """At the supervisor's start (while the rendezvous forms): have the fork server
-        import the explicit ``--preload`` list (and the ``auto`` list an earlier run kept)
-        for the command the first attempt will run; the first attempt starts in
-        interpreters forked from it (``settle``). With ``auto`` and nothing kept, a server
-        with nothing preloaded: the first attempt's forked workers then record every
-        module they import (a cold one shows only its shared libraries), so the first
-        restart gets them all."""
-        if preview is None or not self.forking:
-            return
-        config = self._config_for(preview.argv, None, preview.envs)
-        if config is not None and self.forks is not None:
-            self.forks.request(config)
-            self._preview = preview
-            self._previewed.set()
+        """At the supervisor's start (while the rendezvous forms), with ``--preload``
+        under the daemon: the first attempt's standbys (``FirstStandbys``). With ``auto``
+        and nothing kept, a server with nothing preloaded: the first attempt's forked
+        workers then record every module they import (a cold one shows only its shared
+        libraries), so the first restart gets them all."""
+        if preview is not None and self.forking and self.first is not None:
+            self.first.warm_up(preview)
 
     def _on_progress(self, attempt: int, _local_rank: int, now: float) -> None:
         """Learn how long a cold start takes on this node (``settle`` weighs it)."""
@@ -267,10 +262,11 @@ class WarmPool:
         waited for at most ``core.warm.settle_wait``, and then the ranks start cold, the
         import going on for the next restart. One server is waited for once: a preload
         that hangs delays one restart, not every one. Before the first launch:
-        ``_settle_first``."""
+        ``FirstStandbys.settle``."""
         attempt = self._attempt
         if attempt is None:
-            await self._settle_first()
+            if self.first is not None:
+                await self.first.settle()
             return
         if self.forks is None or not self.forking or not attempt.workers \
                 or all(w.local_rank in self.standbys.held for w in attempt.workers):
@@ -301,55 +297,6 @@ class WarmPool:
             logger.info("the fork server is not ready: the ranks start cold")
         return ready
 
-    async def _settle_first(self) -> None:
-        """Before the first launch, with ``--preload`` under the daemon: wait for the fork
-        server ``warm_up`` started (its import: one per node instead of one per rank)
-        and for the standbys ``_stand_by_first`` forks from it, in which the first
-        attempt's ranks start. A preload that fails means cold starts (the slot warned
-        and counted it); a rank whose environment is not the node's starts cold."""
-        if not self._previewed.is_set() or self._first_forked.is_set():
-            return
-        assert self.forks is not None
-        config = self._first_config()
-        importing = None if config is None else self.forks.importing_for(config)
-        logger.info("the first attempt waits for the fork server's import%s",
-                    "" if importing is None else f" (importing for {importing:.1f} s)")
-        await self._first_forked.wait()
-
-    async def _stand_by_first(self) -> None:
-        """Fork a standby per rank as soon as the fork server that ``warm_up`` asked for is
-        ready, if no attempt has begun yet: the first attempt (a spare's, when it is
-        admitted) starts in them (``_settle_first``)."""
-        try:
-            await self._previewed.wait()
-            await self._fork_first()
-        finally:
-            self._first_forked.set()
-
-    def _first_config(self) -> ForkServerConfig | None:
-        """The fork server for the first attempt's command (``warm_up``'s preview)."""
-        preview = self._preview
-        return None if preview is None else self._config_for(preview.argv, None,
-                                                             preview.envs)
-
-    async def _fork_first(self) -> None:
-        preview = self._preview
-        config = self._first_config()
-        if preview is None or config is None or self.forks is None \
-                or not await self.forks.prepare(config) or self._attempt is not None:
-            return
-        wanted = [
-            StandbyRequest(rank, standby_env(env), None, cpus, Path(), 0, False,
-                           frozenset(self.learner.excluded), config.path0)
-            for rank, (env, cpus) in enumerate(zip(preview.envs, preview.cpus, strict=True))
-            if rank not in self.standbys.held
-        ]
-        plan = self.standbys.plan(wanted)
-        if wanted:
-            logger.debug("forking %d standby(s) for the first attempt while the "
-                         "rendezvous forms", len(wanted))
-            await self._start(plan)
-
     def _fork_config(self, attempt: Attempt) -> ForkServerConfig | None:
         """The node's fork server for this attempt's command (None: it cannot run warm)."""
         workers = attempt.workers
@@ -376,7 +323,8 @@ class WarmPool:
         """The run-long tasks of the fork server: its slot, the memory sampler."""
         if self.forks is not None:
             await tg.start(self.forks.run)
-            tg.start_soon(self._stand_by_first)
+        if self.first is not None:
+            tg.start_soon(self.first.run)
         if self.sampler is not None:
             tg.start_soon(self.sampler.run)
 
