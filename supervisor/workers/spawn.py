@@ -88,6 +88,9 @@ class Worker:
     reaped: bool = False
     exited: anyio.Event = field(default_factory=anyio.Event)  # set by the worker's monitor
     start: Start = Start()
+    # held from "not reaped yet" to "reaped": a fork server can be found dead by a fork on
+    # the spawner thread and by the event loop at once, and both stop it
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
 
     @property
     def pid(self) -> int:
@@ -131,12 +134,13 @@ class Worker:
 
     def reap(self) -> None:
         """Collect the zombie; after this the pid may be reused, so never signal it again."""
-        if self.reaped:
-            return
-        notify_reaping(self.pid)
-        self.popen.wait()
-        self.reaped = True
-        os.close(self.pidfd)
+        with self.lock:
+            if self.reaped:
+                return
+            notify_reaping(self.pid)
+            self.popen.wait()
+            self.reaped = True
+            os.close(self.pidfd)
 
 
 _reaping_hooks: list[Callable[[int], None]] = []

@@ -309,7 +309,8 @@ class ForkServer:
         with contextlib.suppress(OSError):
             self.sock.close()
         process = self.process
-        if not process.reaped:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.reap()
+        with process.lock:  # from the check to the reap: no other stop reaps it meanwhile
+            if not process.reaped:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                process.reap()
