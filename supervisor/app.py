@@ -238,8 +238,9 @@ async def supervise(
         settings, coordinates_nodes=rendezvous.capabilities.coordinates_nodes,
         runtime_dir=runtime.path, progress=progress, identify=identify,
         changed=lambda: view.publish(), on_restore=restored,
-        nodes=lambda: controller.round.group_world_size if controller.round else 1,
-        disk=snapshot_disk)
+        placement=lambda: controller.round, disk=snapshot_disk)
+    if snapshots is not None and etcd is not None:  # told when this node joins a round
+        etcd.snapshot_report = snapshots.report
     cookie = uuid.uuid4().hex
     # the guardian also removes the runtime directory and the snapshot regions if we die
     # (a SIGKILL skips every cleanup)

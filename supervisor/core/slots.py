@@ -178,8 +178,10 @@ class SlotTable:
         slots.append(slot)
         return slot
 
-    def complete_adopted(self, slot: Slot, checksum: int) -> None:
-        self._put(replace(slot, state=SlotState.COMPLETE, checksum=checksum))
+    def complete_adopted(self, slot: Slot, checksum: int) -> Slot:
+        done = replace(slot, state=SlotState.COMPLETE, checksum=checksum)
+        self._put(done)
+        return done
 
     def abandon(self, slot: Slot, previous: Slot | None) -> None:
         """A reservation whose region could not be made: the slot is as it was (a slot
@@ -245,6 +247,52 @@ class SlotTable:
             if chosen is None or (slot.step or 0) > chosen:  # another timeline's
                 self._put(replace(slot, state=SlotState.FREE, step=None))
         return self.restore
+
+    def settle(self, world_size: int, step: int | None, ranks: range, newest: int | None
+               ) -> tuple[Restore | None, list[int]]:
+        """At the launch of an attempt of a job over several nodes: restore ``step``, the
+        one the round decided for every rank (``core.jobstep``), for this node's global
+        ``ranks``. Returns the restore with the slots this node holds, and the keys it
+        must read from ``--snapshot-dir`` (``REPLICATED``, or ranks it does not hold).
+        As ``decide``, unfinished saves and snapshots newer than the step are dropped;
+        so are those of ranks this node no longer runs (nothing would ever read them)."""
+        for slots in self.slots.values():
+            for slot in slots:
+                if slot.state is SlotState.WRITING:
+                    self._put(replace(slot, state=SlotState.FREE, step=None))
+        self.world_size = world_size
+        self.floor = {}
+        if step is None:
+            self.forget()
+            return None, []
+        at = {s.key: s for s in self.complete() if s.step == step
+              and (s.key == REPLICATED or s.world_size == world_size)}
+        if REPLICATED in at:
+            held, missing = {REPLICATED: at[REPLICATED]}, []
+        else:
+            held = {rank: at[rank] for rank in ranks if rank in at}
+            missing = [rank for rank in ranks if rank not in at]
+        self.restore = Restore(step, held, replicated=REPLICATED in held, newest=newest)
+        for key in [k for k in self.slots if k != REPLICATED and k not in ranks]:
+            del self.slots[key]
+        for slot in self.complete():
+            if (slot.step or 0) > step:  # another timeline's
+                self._put(replace(slot, state=SlotState.FREE, step=None))
+        return self.restore, missing
+
+    def restore_adopted(self, slot: Slot) -> None:
+        """A slot of the attempt's step read back from disk joins its restore."""
+        if self.restore is not None and slot.step == self.restore.step:
+            self.restore = replace(self.restore, slots={**self.restore.slots, slot.key: slot},
+                                   replicated=slot.key == REPLICATED)
+
+    def held(self) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """What this node holds complete: ``(step, world_size, rank)`` of per-rank
+        snapshots, and the steps of its replicated copy (``core.jobstep.Report``)."""
+        complete = [s for s in self.complete() if s.step is not None]
+        return ([(s.step, s.world_size, s.key) for s in complete
+                 if s.key != REPLICATED and s.world_size > 0 and s.step is not None],
+                [s.step for s in complete if s.key == REPLICATED and s.step is not None])
 
     def forget(self) -> None:
         """No restore after all: every complete snapshot is dropped (the attempt starts a

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 from anyio.abc import TaskStatus
 
+from supervisor.core.jobstep import JobStep
 from supervisor.core.nodehealth import Judgement, Limits, NodeFailure, Quarantine, RoundCause
 from supervisor.core.peers import PeerCheck
 from supervisor.errors import RendezvousError as RendezvousError
@@ -21,6 +22,7 @@ from supervisor.errors import RendezvousError as RendezvousError
 if TYPE_CHECKING:  # types of the etcd's wire and settings layers, which never import this
     from supervisor.rendezvous.etcd_client import Reachability
     from supervisor.rendezvous.etcd_config import EtcdRendezvousConfig
+    from supervisor.rendezvous.jobstep_wire import ReportSource
 
 
 class RendezvousResult(msgspec.Struct, frozen=True):
@@ -36,6 +38,7 @@ class RendezvousResult(msgspec.Struct, frozen=True):
     members: tuple[str, ...] = ()  # node ids in group-rank order
     duration: float = 0.0  # seconds the round took to complete
     spare: bool = False  # this node waited as a spare (beyond max nodes) before this round
+    snapshot: JobStep | None = None  # the snapshot step the round decided (None: not decided)
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
@@ -208,6 +211,8 @@ class EtcdService(Protocol):
 
     @property
     def stats(self) -> dict[str, int]: ...
+
+    snapshot_report: ReportSource | None  # what this node's snapshots hold, told at a join
 
     def outage_status(self) -> dict[str, Any]:
         """For ``/status``: whether etcd answers, and the outages so far."""

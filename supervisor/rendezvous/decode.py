@@ -41,6 +41,7 @@ import msgspec
 
 from supervisor.core import nodehealth as nh
 from supervisor.errors import RendezvousError
+from supervisor.rendezvous.jobstep_wire import WireReport, WireStep
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class Result(msgspec.Struct, frozen=True):
 
     nodes: Annotated[list[NodeId], msgspec.Meta(min_length=1, max_length=MAX_NODES)]
     sizes: LocalWorld | list[LocalWorld]
+    snap: WireStep | None = None  # the step every rank restores (jobstep_wire)
 
     def __post_init__(self) -> None:
         _require_printable(*self.nodes)
@@ -139,6 +141,7 @@ class Join(msgspec.Struct, frozen=True):
     node: NodeId
     addr: Annotated[str, msgspec.Meta(max_length=253)]
     local_world_size: LocalWorld
+    snap: WireReport | None = None  # the snapshots it holds (jobstep_wire)
 
     def __post_init__(self) -> None:
         _require_printable(self.node, self.addr)
@@ -273,7 +276,7 @@ SCHEMAS: dict[str, Schema] = {
     "ctl/restarts": Schema(Restarts, 16 << 10, OnBad.FAIL),
     "ctl/closed": Schema(Closed, 16 << 10, OnBad.CLOSED),
     "ctl/shape": Schema(Shape, 1 << 10, OnBad.IGNORE),  # advisory: no verdict from it
-    "nodes/join": Schema(Join, 2 << 10, OnBad.IGNORE),
+    "nodes/join": Schema(Join, 4 << 10, OnBad.IGNORE),
     "status": Schema(Summary, 8 << 10, OnBad.IGNORE),
     # healing (rendezvous/etcd_health.py): a bad cause or record is one node's claim
     # about itself; the job is safe without it (the node counts as having none)

@@ -81,6 +81,7 @@ from supervisor.rendezvous.etcd_state import (
     round_guard,
 )
 from supervisor.rendezvous.etcd_watch import PrefixView, open_prefix_view
+from supervisor.rendezvous.jobstep_wire import ReportSource, join_fields
 from supervisor.rendezvous.leave_notice import LeaveNotices
 from supervisor.rendezvous.sameid import ended_line, meet, shape_value
 from supervisor.rendezvous.waitreport import WaitClock, WaitProgress, unresolved
@@ -168,6 +169,7 @@ class EtcdRendezvous:
         self._connecting: WaitClock | None = None  # connect() waiting for etcd to answer
         self.waiting: WaitProgress | None = None  # for /status: what next_round waits for
         self.joined_at = 0.0  # monotonic: this agent's last join key was written
+        self.snapshot_report: ReportSource | None = None  # its snapshots, told when it joins
         self.waited_at = 0.0  # monotonic: this agent's last wait key was written
 
     @property
@@ -677,7 +679,8 @@ class EtcdRendezvous:
         guard = [*same_round, compare(self._keys.result(n), "VERSION", "=", 0)]
         # restored after an outage even once the round is complete: it is still a member
         ok = await self._put_held(self._keys.node(n, "join", self.node_id),
-                                  json.dumps(asdict(me)), guard, seen_in_view=False,
+                                  json.dumps({**asdict(me), **join_fields(self.snapshot_report)}),
+                                  guard, seen_in_view=False,
                                   restore_guard=same_round)
         if ok:
             self._joined, self.joined_at = n, time.monotonic()
@@ -755,6 +758,7 @@ class EtcdRendezvous:
             rank_offset=sum(sizes[:rank]), world_size=sum(sizes),
             master_addr=master[0], master_port=master[1], members=tuple(ids),
             duration=time.monotonic() - started, spare=spare,
+            snapshot=self._state().job_step(n),
         )
 
     # while the round runs

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from supervisor.core.jobstep import JobStep
 from supervisor.rendezvous.decode import (
     MAX_TEXT,
     Closed,
@@ -49,6 +50,7 @@ from supervisor.rendezvous.decode import (
 )
 from supervisor.rendezvous.etcd_client import JsonDict, KeyValue, compare, delete_op, put_op
 from supervisor.rendezvous.etcd_health import cause_key, lost_reason
+from supervisor.rendezvous.jobstep_wire import result_fields
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -96,7 +98,9 @@ def result_value(members: list[dict[str, Any]]) -> str:
     sizes = [int(m["local_world_size"]) for m in ordered]
     same = len(set(sizes)) == 1
     return json.dumps({"nodes": [str(m["node"]) for m in ordered],
-                       "sizes": sizes[0] if same else sizes}, separators=(",", ":"))
+                       "sizes": sizes[0] if same else sizes,
+                       **result_fields([(size, m.get("snap")) for size, m in zip(
+                           sizes, ordered, strict=True)])}, separators=(",", ":"))
 
 
 class State:
@@ -170,6 +174,11 @@ class State:
             return None
         return [Member(node, "", size)
                 for node, size in zip(data.nodes, data.size_list(), strict=True)]
+
+    def job_step(self, n: int) -> JobStep | None:
+        """The snapshot step round ``n``'s result carries (``jobstep_wire``)."""
+        data = self._value("ctl/result", self.keys.result(n), Result)
+        return data.snap.job_step() if data is not None and data.snap is not None else None
 
     def master(self, n: int) -> tuple[str, int] | None:
         data = self._value("ctl/master", self.keys.master(n), Master)
@@ -356,7 +365,8 @@ def close_round_txn(state: State, decision: Close, view_revision: int) -> Txn:
     guard = [*round_guard(state), compare(keys.result(n), "VERSION", "=", 0),
              compare(keys.node(n, "join"), "MOD", "<", view_revision + 1, prefix=True)]
     joins = state.joins(n)
-    members = [{"node": joins[node].node, "local_world_size": joins[node].local_world_size}
+    members = [{"node": joins[node].node, "local_world_size": joins[node].local_world_size,
+                "snap": joins[node].snap}
                for node in (_node_of(kv.key) for kv in decision.chosen)]
     return guard, [put_op(keys.result(n), result_value(members))]
 

@@ -92,7 +92,14 @@ class SnapshotDir:
     def newest(self) -> OnDisk | None:
         """The newest step whose marker is valid; ``DirRefused`` for a bad manifest. A
         malformed marker is skipped (the older complete step is used)."""
+        found = self.complete()
+        return found[0] if found else None
+
+    def complete(self) -> list[OnDisk]:
+        """Every step whose marker is valid, the newest first; ``DirRefused`` for a bad
+        manifest."""
         self.manifest()
+        found = []
         for step in sorted(self._steps(), reverse=True):
             directory = self.path / step_dir(step)
             try:
@@ -100,8 +107,12 @@ class SnapshotDir:
             except OSError:
                 continue
             if not isinstance(marker, str):
-                return OnDisk(marker, directory)
-        return None
+                found.append(OnDisk(marker, directory))
+        return found
+
+    def at(self, step: int) -> OnDisk | None:
+        """``step`` if it is complete in DIR."""
+        return next((d for d in self.complete() if d.marker.step == step), None)
 
     def _steps(self) -> list[int]:
         try:

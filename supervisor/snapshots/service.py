@@ -11,6 +11,7 @@ query gets the attempt's step.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -18,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
@@ -26,7 +27,8 @@ from anyio.abc import TaskStatus
 
 from supervisor.config import ConfigError, Settings
 from supervisor.core import state as sm
-from supervisor.core.slots import REPLICATED, Held, Refused, Restore, SlotTable, choose
+from supervisor.core.jobstep import DiskStep, Report, make_report
+from supervisor.core.slots import REPLICATED, Held, Refused, Restore, Slot, SlotTable, choose
 from supervisor.core.snapshot import ProgressTable
 from supervisor.snapshots.channel import (
     Commit,
@@ -39,6 +41,9 @@ from supervisor.snapshots.channel import (
 )
 from supervisor.snapshots.memory import Regions
 from supervisor.snapshots.persist import DirRefused, OnDisk, SnapshotDir, file_size, read_region
+
+if TYPE_CHECKING:
+    from supervisor.rendezvous.base import RendezvousResult
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +76,9 @@ class SnapshotService:
         changed: Callable[[], None] = lambda: None,
         disk: SnapshotDir | None = None,
         persist_interval: float = 300.0,
-        nodes: Callable[[], int] = lambda: 1,
+        coordinated: bool = False,
+        placement: Callable[[], RendezvousResult | None] = lambda: None,
+        local_world_size: int = 1,
     ) -> None:
         self.regions = regions
         self.table = SlotTable()
@@ -88,7 +95,15 @@ class SnapshotService:
         self.persisted: int | None = None  # the newest step written to disk
         self.persist_failures = 0
         self._persisting = anyio.Lock()
-        self.nodes = nodes  # nodes in the round being launched
+        # the rendezvous decides the step job-wide (etcd, c10d): the round's result
+        # carries it (``placement``: the round being launched), this node reports what it
+        # holds when it joins (``report``)
+        self.coordinated = coordinated
+        self.placement = placement
+        self.local_world_size = local_world_size
+        self.disk_steps: list[DiskStep] = []  # complete in --snapshot-dir, as last read
+        self._loaded: anyio.Event | None = None  # set once the attempt's step is in memory
+        self._tg: anyio.abc.TaskGroup | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -99,9 +114,11 @@ class SnapshotService:
         starts), then serve the socket and persist every interval until cancelled; the
         regions go with it."""
         try:
-            if self.disk is not None:
+            if self.disk is not None and not self.coordinated:
                 await self._resume()
+            await self._read_disk_steps()
             async with anyio.create_task_group() as tg:
+                self._tg = tg
                 path = await tg.start(self.channel.run)
                 if self.disk is not None:
                     tg.start_soon(self._persist_every)
@@ -125,30 +142,85 @@ class SnapshotService:
         return None
 
     def decide(self, world_size: int) -> Restore | None:
-        """The step the attempt about to launch restores (its workers are not started).
-
-        Over several nodes nothing agrees on one step yet (the round's result does not
-        carry it): every node restoring what it alone holds could restore different
-        steps, so such an attempt restores nothing (one warning)."""
+        """The step the attempt about to launch restores (its workers are not started):
+        decided here on one node, by the round across nodes (``core.jobstep``)."""
         dropped = list(self.table.regions())
-        restore = self.table.decide(world_size)
-        if restore is not None and self.nodes() > 1:
-            if "nodes" not in self._warned:
-                self._warned.add("nodes")
-                logger.warning("snapshots: not restored: agreeing on one step across nodes "
-                               "is not built yet; the attempt starts without a snapshot")
-            self.table.forget()  # what this node held: another timeline from now on
-            restore = None
+        restore = (self._settle(world_size) if self.coordinated
+                   else self.table.decide(world_size))
         kept = {(s.key, s.index) for s in self.table.regions()}
         for slot in dropped:
             if (slot.key, slot.index) not in kept:
                 self.regions.drop(slot)
-        if restore is not None:
-            logger.info("snapshots: this attempt restores step %d (%s)", restore.step,
-                        "replicated" if restore.replicated else f"{len(restore.slots)} ranks")
-        self.on_restore(restore)
+        if restore is not None and restore.slots and self._loaded is None:
+            self._restored(restore)
         self.changed()
         return restore
+
+    def _restored(self, restore: Restore) -> None:
+        logger.info("snapshots: this attempt restores step %d (%s, from %s)", restore.step,
+                    "replicated" if restore.replicated else f"{len(restore.slots)} ranks",
+                    restore.source)
+        self.on_restore(restore)
+
+    def _settle(self, world_size: int) -> Restore | None:
+        """The round's step, for this node's ranks; those it does not hold are read from
+        ``--snapshot-dir`` in the background (restore queries wait for them)."""
+        result = self.placement()
+        decided = result.snapshot if result is not None else None
+        ranks = (range(result.rank_offset, result.rank_offset + self.local_world_size)
+                 if result is not None else range(0))
+        restore, missing = self.table.settle(
+            world_size, decided.step if decided else None, ranks,
+            decided.newest if decided else None)
+        self._loaded = None
+        if restore is not None and missing:
+            assert self._tg is not None
+            self._loaded = anyio.Event()
+            self._tg.start_soon(self._load, restore.step, missing, self._loaded)
+        return restore
+
+    async def _load(self, step: int, missing: list[int], loaded: anyio.Event) -> None:
+        """Read the ranks of ``step`` this node does not hold from ``--snapshot-dir``."""
+        try:
+            found = None
+            if self.disk is not None:
+                with contextlib.suppress(DirRefused):
+                    found = await anyio.to_thread.run_sync(self.disk.at, step)
+            if found is None:
+                logger.warning("snapshots: step %d of rank(s) %s is neither in this node's "
+                               "memory nor complete in --snapshot-dir: they start without it",
+                               step, ", ".join(map(str, missing)))
+                return
+            keys = [REPLICATED] if found.marker.replicated else missing
+            for key in keys:
+                self.table.restore_adopted(await self._adopt(found, key))
+        except OSError as exc:
+            logger.warning("snapshot_dir: cannot read step %d back (%s): rank(s) %s start "
+                           "without it", step, exc.strerror or exc,
+                           ", ".join(map(str, missing)))
+        finally:
+            restore = self.table.restore
+            if restore is not None and restore.slots:
+                self._restored(restore)
+            loaded.set()
+            self.changed()
+
+    def report(self) -> Report:
+        """What this node holds, told when it joins a round (``core.jobstep``): nothing
+        is evicted until the round decides (the workers are stopped: no saves)."""
+        held, replicated = self.table.held()
+        return make_report(held, replicated, self.disk_steps)
+
+    async def _read_disk_steps(self) -> None:
+        """The complete steps of ``--snapshot-dir``, for the next report."""
+        if self.disk is None:
+            return
+        try:
+            found = await anyio.to_thread.run_sync(self.disk.complete)
+        except (DirRefused, OSError):
+            found = []
+        self.disk_steps = [DiskStep(d.marker.step, d.marker.world_size, d.marker.replicated)
+                           for d in found]
 
     # ------------------------------------------------------------------ requests
     async def handle(self, request: Request, sender: Sender) -> dict[str, Any]:
@@ -158,6 +230,8 @@ class SnapshotService:
             case Commit():
                 return self._commit(request, sender)
             case RestoreQuery():
+                if self._loaded is not None:
+                    await self._loaded.wait()
                 return self._restore(request)
         return {"ok": False, "reason": "unknown request"}
 
@@ -238,7 +312,7 @@ class SnapshotService:
         self.table.world_size = marker.world_size
         logger.info("snapshot_dir: step %d read back from %s", marker.step, found.directory)
 
-    async def _adopt(self, found: OnDisk, key: int) -> None:
+    async def _adopt(self, found: OnDisk, key: int) -> Slot:
         path = found.path(key)
         size = await anyio.to_thread.run_sync(file_size, path)
         slot = self.table.adopt(key, found.marker.step, size, found.marker.world_size)
@@ -250,7 +324,7 @@ class SnapshotService:
             os.close(fd)
         if checksum < 0:
             raise OSError(errno.EINVAL, f"{path} is not a finished snapshot")
-        self.table.complete_adopted(slot, checksum)
+        return self.table.complete_adopted(slot, checksum)
 
     def _forget_adopted(self) -> None:
         for slot in list(self.table.regions()):
@@ -294,6 +368,7 @@ class SnapshotService:
                     self.table.set_persisting(slot.key, slot.index, False)
             self.persisted = restore.step
             logger.info("snapshot_dir: step %d written", restore.step)
+            await self._read_disk_steps()
             return restore.step
 
     async def finish(self, timeout: float) -> None:
@@ -345,7 +420,7 @@ def build_snapshots(
     identify: Identify,
     changed: Callable[[], None],
     on_restore: Callable[[Restore | None], None],
-    nodes: Callable[[], int] = lambda: 1,
+    placement: Callable[[], RendezvousResult | None] = lambda: None,
     disk: SnapshotDir | None = None,
 ) -> SnapshotService | None:
     """The node's snapshot service, or None (one warning) where snapshots cannot work:
@@ -370,5 +445,6 @@ def build_snapshots(
         socket_path = regions.directory / "snapshots.sock"
     return SnapshotService(regions, socket_path, identify, progress,
                            limit=settings.snapshot_limit, changed=changed, disk=disk,
-                           on_restore=on_restore, nodes=nodes,
+                           on_restore=on_restore, coordinated=coordinates_nodes,
+                           placement=placement, local_world_size=settings.local_world_size,
                            persist_interval=settings.snapshot_persist_interval)

@@ -1,0 +1,102 @@
+"""One snapshot step for a job over two nodes: two real supervisors on this machine (etcd
+rendezvous against a real etcd, and c10d), one rank each, the DDP job of
+``tests/workers/snapshot_ddp.py`` (torch CPU, gloo). After a rank's failure both nodes
+restore one and the same step, whole, and compute the losses of the job run without a
+failure (torchrun), bit for bit."""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_snapshot_torch import STEPS, WORKER, Trace, reference
+from tests.support import deps
+from tests.support.daemon import Supervised, supervisor
+from tests.support.etcd import EtcdMember
+from tests.support.ports import free_port
+
+deps.need_module("torch")
+pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("torch"), pytest.mark.timeout(300)]
+
+__all__ = ["reference"]  # the torchrun run without a failure (a module fixture)
+
+
+def node_args(tmp_path: Path, n: int, backend: list[str], *worker_args: str) -> list[str]:
+    (tmp_path / f"shm{n}").mkdir(exist_ok=True)
+    return ["--tee", "3", "--health-port", "0", "--nnodes", "2", "--nproc-per-node", "1",
+            "--max-restarts", "1", *backend, "--shutdown-timeout", "5",
+            "--log-dir", str(tmp_path / f"logs{n}"),
+            "--snapshot-memory-dir", str(tmp_path / f"shm{n}"),
+            WORKER, str(tmp_path), "--steps", str(STEPS), *worker_args]
+
+
+def etcd_backend(server: EtcdMember) -> list[str]:
+    return ["--rdzv-backend", "etcd", "--rdzv-endpoint", server.endpoint,
+            "--rdzv-id", f"snap-{uuid.uuid4().hex[:8]}",
+            "--rdzv-conf", "last_call_timeout=1,lease_ttl=5"]
+
+
+async def two_nodes(stack: AsyncExitStack, tmp_path: Path, backend: list[str],
+                    *worker_args: str) -> list[Supervised]:
+    return [await stack.enter_async_context(supervisor(node_args(tmp_path, n, backend,
+                                                                 *worker_args)))
+            for n in range(2)]
+
+
+async def finish(nodes: list[Supervised]) -> Trace:
+    for sup in nodes:
+        assert await sup.wait(timeout=150) == 0, sup.err.text()[-3000:]
+    return Trace.of([line for sup in nodes for line in sup.out.lines])
+
+
+def assert_one_step_restored(trace: Trace, reference: Trace, steps: set[int]) -> int:
+    """Both ranks (one per node) restored one step of ``steps`` in attempt 1, bit for bit
+    what was saved, and the run computed the reference's losses."""
+    step, restored = trace.restored_in(1)
+    assert step in steps
+    for rank in (0, 1):
+        assert trace.saved[(rank, step)] == (True, reference.saved[(rank, step)][1])
+    assert restored == reference.saved[(0, step)][1]
+    assert trace.losses == reference.losses
+    return step
+
+
+@pytest.mark.etcd
+async def test_two_nodes_restore_one_step_after_a_crashed_rank(
+        tmp_path: Path, server: EtcdMember, reference: Trace) -> None:
+    # rank 1 (the second node's) exits 3 right after its save of step 5 returned: that
+    # save may still be completing (then the job's step is 4), never half of it
+    async with AsyncExitStack() as stack:
+        nodes = await two_nodes(stack, tmp_path, etcd_backend(server), "--crash-step", "5")
+        trace = await finish(nodes)
+    assert_one_step_restored(trace, reference, {4, 5})
+    for sup in nodes:
+        assert "agreeing on one step across nodes" not in sup.err.text()
+
+
+@pytest.mark.etcd
+async def test_two_nodes_one_step_apart_restore_their_common_step(
+        tmp_path: Path, server: EtcdMember, reference: Trace) -> None:
+    async with AsyncExitStack() as stack:
+        nodes = await two_nodes(stack, tmp_path, etcd_backend(server), "--apart", "5")
+        # the first node holds steps 4 and 5, the second node 4 (it never saves 5)
+        await nodes[0].out.expect(r"rank 0 attempt 0 complete 5$", timeout=150)
+        await nodes[1].out.expect(r"rank 1 attempt 0 complete 4$", timeout=150, since=0)
+        (tmp_path / "go").write_text("")
+        trace = await finish(nodes)
+    assert "rank 1 attempt 0 saved 5" not in nodes[1].out.text()
+    assert assert_one_step_restored(trace, reference, {4}) == 4
+
+
+@pytest.mark.etcd
+async def test_two_c10d_nodes_restore_one_step_after_a_crashed_rank(
+        tmp_path: Path, reference: Trace) -> None:
+    backend = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+               "--rdzv-id", f"snap-{uuid.uuid4().hex[:8]}"]
+    async with AsyncExitStack() as stack:
+        nodes = await two_nodes(stack, tmp_path, backend, "--crash-step", "5")
+        trace = await finish(nodes)
+    assert_one_step_restored(trace, reference, {4, 5})
