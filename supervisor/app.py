@@ -71,6 +71,7 @@ from supervisor.preflight import (
 from supervisor.priority import describe as describe_priority
 from supervisor.priority import raise_loop_priority
 from supervisor.rendezvous.base import Rendezvous, RendezvousError
+from supervisor.rendezvous.persist_mark import PersistMarks
 from supervisor.rendezvous.registry import (
     backend_advisories,
     conf_barrier_timeout,
@@ -241,6 +242,7 @@ async def supervise(
         placement=lambda: controller.round, disk=snapshot_disk)
     if snapshots is not None and etcd is not None:  # told when this node joins a round
         etcd.snapshot_report = snapshots.report
+        snapshots.marks = PersistMarks(etcd)  # the steps every node persists
     cookie = uuid.uuid4().hex
     # the guardian also removes the runtime directory and the snapshot regions if we die
     # (a SIGKILL skips every cleanup)

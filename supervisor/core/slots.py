@@ -336,3 +336,24 @@ def choose(complete: Iterable[Slot], world_size: int) -> Restore | None:
             return Restore(step, {rank: held[rank] for rank in range(world_size)},
                            replicated=False)
     return None
+
+
+def slots_at(complete: Iterable[Slot], step: int, ranks: range, world_size: int
+             ) -> dict[int, Slot] | None:
+    """The slots holding ``step`` for every one of ``ranks`` (saved under
+    ``world_size``), or the replicated one; None if some rank lacks it."""
+    at = {s.key: s for s in complete if s.step == step
+          and (s.key == REPLICATED or s.world_size == world_size)}
+    if REPLICATED in at:
+        return {REPLICATED: at[REPLICATED]}
+    if len(ranks) and all(rank in at for rank in ranks):
+        return {rank: at[rank] for rank in ranks}
+    return None
+
+
+def steps_held(complete: Iterable[Slot], ranks: range, world_size: int) -> list[int]:
+    """The steps ``slots_at`` finds, newest first."""
+    slots = list(complete)
+    steps = {s.step for s in slots if s.step is not None}
+    return sorted((step for step in steps
+                   if slots_at(slots, step, ranks, world_size) is not None), reverse=True)

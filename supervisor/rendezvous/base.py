@@ -20,7 +20,9 @@ from supervisor.core.peers import PeerCheck
 from supervisor.errors import RendezvousError as RendezvousError
 
 if TYPE_CHECKING:  # types of the etcd's wire and settings layers, which never import this
-    from supervisor.rendezvous.etcd_client import Reachability
+    from collections.abc import AsyncIterator
+
+    from supervisor.rendezvous.etcd_client import KeyValue, Reachability
     from supervisor.rendezvous.etcd_config import EtcdRendezvousConfig
     from supervisor.rendezvous.jobstep_wire import ReportSource
 
@@ -213,6 +215,14 @@ class EtcdService(Protocol):
     def stats(self) -> dict[str, int]: ...
 
     snapshot_report: ReportSource | None  # what this node's snapshots hold, told at a join
+
+    async def put_control(self, name: str, value: str) -> None:
+        """Put ``ctl/<name>`` (every agent's control watch brings it)."""
+        ...
+
+    def control_changes(self, name: str) -> AsyncIterator[KeyValue | None]:
+        """``ctl/<name>`` now, then after each change of the control keys."""
+        ...
 
     def outage_status(self) -> dict[str, Any]:
         """For ``/status``: whether etcd answers, and the outages so far."""

@@ -41,7 +41,7 @@ import msgspec
 
 from supervisor.core import nodehealth as nh
 from supervisor.errors import RendezvousError
-from supervisor.rendezvous.jobstep_wire import WireReport, WireStep
+from supervisor.rendezvous.jobstep_wire import PersistMark, WireReport, WireStep
 
 logger = logging.getLogger(__name__)
 
@@ -277,6 +277,8 @@ SCHEMAS: dict[str, Schema] = {
     "ctl/closed": Schema(Closed, 16 << 10, OnBad.CLOSED),
     "ctl/shape": Schema(Shape, 1 << 10, OnBad.IGNORE),  # advisory: no verdict from it
     "nodes/join": Schema(Join, 4 << 10, OnBad.IGNORE),
+    # snapshots: a bad mark persists nothing until the next one (jobstep_wire)
+    "ctl/persist": Schema(PersistMark, 1 << 10, OnBad.IGNORE),
     "status": Schema(Summary, 8 << 10, OnBad.IGNORE),
     # healing (rendezvous/etcd_health.py): a bad cause or record is one node's claim
     # about itself; the job is safe without it (the node counts as having none)

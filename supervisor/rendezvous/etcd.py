@@ -52,6 +52,7 @@ from supervisor.rendezvous.etcd_client import (
     EtcdLeaseNotFound,
     EtcdUnavailable,
     JsonDict,
+    KeyValue,
     Reachability,
     compare,
     hedge_delay,
@@ -926,6 +927,23 @@ class EtcdRendezvous:
     async def _close(self, *, ok: bool, reason: str) -> None:
         await self._client.txn(*close_job_txn(self._keys, ok=ok, reason=reason,
                                               node=self.node_id))
+
+    async def put_control(self, name: str, value: str) -> None:
+        """Put ``ctl/<name>``: one write every agent's control watch brings (a value of
+        another layer: ``jobstep_wire``'s persist mark)."""
+        await self._usable()
+        with _etcd_errors(f"writing ctl/{name}"):
+            await self._client.put(self._keys.ctl + name, value)
+
+    async def control_changes(self, name: str) -> AsyncIterator[KeyValue | None]:
+        """``ctl/<name>`` as the control view holds it now, then after each change of the
+        view (the caller skips repeats)."""
+        await self._usable()
+        assert self._ctl is not None
+        while True:
+            seen = self._ctl.version
+            yield self._ctl.kvs.get(self._keys.ctl + name)
+            await self._ctl.wait_changed(seen)
 
     # leadership
 

@@ -9,6 +9,12 @@ node writes anyway.
 
 A join without ``snap`` comes from a node without snapshots: it holds nothing. A result
 without ``snap``: no member reported (snapshots are off on every node).
+
+    ctl/persist           {"step": S, "round": N}
+
+The persist mark (``--snapshot-dir``): every ``--snapshot-persist-interval`` group rank 0
+of round N names the step every node writes its part of; every agent's control watch
+brings it (one write per interval for the whole job).
 """
 
 from __future__ import annotations
@@ -85,3 +91,11 @@ def result_fields(members: Sequence[tuple[int, WireReport | None]]) -> dict[str,
     step = decide([(size, report.report() if report is not None else None)
                    for size, report in members])
     return {"snap": {"step": step.step, "newest": step.newest}}
+
+
+class PersistMark(msgspec.Struct, frozen=True):
+    """``ctl/persist``: the step every node of round ``round`` persists."""
+
+    step: _Step
+    round: _Step
+

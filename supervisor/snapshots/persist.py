@@ -26,9 +26,14 @@ from supervisor.core.snapshotdir import (
     MARKER,
     Manifest,
     Marker,
+    Part,
     file_name,
+    merge,
+    node_of,
     parse_manifest,
     parse_marker,
+    parse_part,
+    part_name,
     step_dir,
     step_of,
     to_prune,
@@ -123,15 +128,19 @@ class SnapshotDir:
 
     # ------------------------------------------------------------------ writing
     def write(self, step: int, slots: dict[int, Slot], open_region: OpenRegion,
-              world_size: int, replicated: bool) -> None:
-        """Write ``step`` (this node's ``slots``) and its marker; prune old steps.
-        Raises ``OSError`` (a full or unwritable DIR) with DIR left consistent."""
+              world_size: int, replicated: bool, *, group_rank: int = 0,
+              nodes: int = 1) -> bool:
+        """Write this node's part of ``step`` (its ``slots``, then its ``part.json``), then
+        the job-wide marker if every node's part is there; prune old steps. Returns
+        whether the step is complete in DIR. Raises ``OSError`` (a full or unwritable DIR)
+        with DIR left consistent."""
         self.manifest()  # raises DirRefused for another run's DIR
-        _atomic_write(self.path / MANIFEST, Manifest(self.run_id, world_size).encode())
+        tag = f"node{group_rank}"  # temporary names of its own: DIR may be shared
+        _atomic_write(self.path / MANIFEST, Manifest(self.run_id, world_size).encode(), tag)
         directory = self.path / step_dir(step)
         files: dict[int, str] = {}
         for key, slot in sorted(slots.items()):
-            name = file_name(self.group_rank, key)
+            name = file_name(group_rank, key)
             target = directory / name
             target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = open_region(slot)
@@ -141,11 +150,44 @@ class SnapshotDir:
             finally:
                 os.close(fd)
             files[key] = name
-        _fsync_dir(directory / f"node{self.group_rank}")
-        marker = Marker(step, world_size, replicated, files)
-        _atomic_write(directory / MARKER, marker.encode())
-        _fsync_dir(self.path)
+        part = Part(step, group_rank, 1 if replicated else nodes, world_size, replicated, files)
+        _atomic_write(directory / part_name(group_rank), part.encode(), tag)
+        _fsync_dir(directory / f"node{group_rank}")
+        for other in self._steps():  # a part another node wrote at the same moment
+            if other != step:
+                self._complete_step(other, tag)
+        done = self._complete_step(step, tag)
         self._prune()
+        return done
+
+    def _complete_step(self, step: int, tag: str) -> bool:
+        """Write ``step``'s job-wide marker if every node's part is there (the same bytes
+        whichever node writes it); whether the step is complete."""
+        directory = self.path / step_dir(step)
+        if (directory / MARKER).exists():
+            return True
+        parts = []
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            return False
+        for name in names:
+            group_rank = node_of(name)
+            if group_rank is None:
+                continue
+            try:
+                part = parse_part(_read_small(directory / part_name(group_rank)), step,
+                                  group_rank)
+            except OSError:
+                continue
+            if part is not None:
+                parts.append(part)
+        marker = merge(parts)
+        if marker is None:
+            return False
+        _atomic_write(directory / MARKER, marker.encode(), tag)
+        _fsync_dir(directory)
+        return True
 
     def _prune(self) -> None:
         present = self._steps()
@@ -223,8 +265,8 @@ def _copy_range(source: int, target: int, size: int) -> None:
         done += moved
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    temporary = path.with_name(f".{path.name}.part")
+def _atomic_write(path: Path, data: bytes, tag: str = "") -> None:
+    temporary = path.with_name(f".{path.name}.{tag}.part")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
                  | os.O_NOFOLLOW, 0o600)
     try:

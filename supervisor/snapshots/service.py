@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import time
@@ -28,8 +29,20 @@ from anyio.abc import TaskStatus
 from supervisor.config import ConfigError, Settings
 from supervisor.core import state as sm
 from supervisor.core.jobstep import DiskStep, Report, make_report
-from supervisor.core.slots import REPLICATED, Held, Refused, Restore, Slot, SlotTable, choose
+from supervisor.core.slots import (
+    REPLICATED,
+    Held,
+    Refused,
+    Restore,
+    Slot,
+    SlotTable,
+    choose,
+    slots_at,
+    steps_held,
+)
 from supervisor.core.snapshot import ProgressTable
+from supervisor.errors import RendezvousError
+from supervisor.rendezvous.jobstep_wire import PersistMark
 from supervisor.snapshots.channel import (
     Commit,
     Identify,
@@ -44,6 +57,7 @@ from supervisor.snapshots.persist import DirRefused, OnDisk, SnapshotDir, file_s
 
 if TYPE_CHECKING:
     from supervisor.rendezvous.base import RendezvousResult
+    from supervisor.rendezvous.persist_mark import PersistMarks
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +118,10 @@ class SnapshotService:
         self.disk_steps: list[DiskStep] = []  # complete in --snapshot-dir, as last read
         self._loaded: anyio.Event | None = None  # set once the attempt's step is in memory
         self._tg: anyio.abc.TaskGroup | None = None
+        # --snapshot-dir over several nodes: group rank 0 names a step every interval
+        # (``marks``), every node writes its part of it once it holds it (``_wanted``)
+        self.marks: PersistMarks | None = None
+        self._wanted: PersistMark | None = None
 
     @property
     def socket_path(self) -> Path:
@@ -120,7 +138,10 @@ class SnapshotService:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
                 path = await tg.start(self.channel.run)
-                if self.disk is not None:
+                if self.disk is not None and self.coordinated:
+                    tg.start_soon(self._mark_every)
+                    tg.start_soon(self._follow_marks)
+                elif self.disk is not None:
                     tg.start_soon(self._persist_every)
                 task_status.started(path)
         finally:
@@ -266,6 +287,9 @@ class SnapshotService:
         done = self.table.commit(key, request.slot, request.step, request.size,
                                  request.checksum, self.clock())
         if not isinstance(done, Refused):
+            if self._wanted is not None and self._wanted.step == request.step:
+                assert self._tg is not None
+                self._tg.start_soon(self._persist_wanted)
             self.counts.kept += 1
             self.progress.touch_save(sender.local_rank, self.clock())
             return {"ok": True}
@@ -356,12 +380,7 @@ class SnapshotService:
                 self.disk = None
                 return None
             except OSError as exc:
-                self.persist_failures += 1
-                if "persist" not in self._warned:
-                    self._warned.add("persist")
-                    logger.warning("snapshot_dir: cannot write step %d (%s); training goes "
-                                   "on, memory keeps the snapshots (further failures are "
-                                   "counted)", restore.step, exc.strerror or exc)
+                self._persist_failed(restore.step, exc)
                 return None
             finally:
                 for slot in restore.slots.values():
@@ -373,11 +392,110 @@ class SnapshotService:
 
     async def finish(self, timeout: float) -> None:
         """At the end of the job: persist the newest complete step, within ``timeout``
-        (the previous complete step stays in DIR if time runs out)."""
+        (the previous complete step stays in DIR if time runs out). Over several nodes,
+        which step each node's workers reached last may differ by one: each node writes
+        its part of its two newest steps, the newest first; the newest one every node
+        wrote becomes complete."""
         if self.disk is None:
             return
         with anyio.move_on_after(timeout):
-            await self.persist()
+            if not self.coordinated:
+                await self.persist()
+                return
+            for step in self._held_steps()[:2]:
+                await self._write_part(step)
+
+    # ------------------------------------------------------- the disk, several nodes
+    def _ranks(self) -> tuple[RendezvousResult, range] | None:
+        result = self.placement()
+        if result is None:
+            return None
+        return result, range(result.rank_offset, result.rank_offset + self.local_world_size)
+
+    def _held_steps(self) -> list[int]:
+        """Steps complete for every rank this node runs (or held replicated), newest
+        first."""
+        placed = self._ranks()
+        if placed is None:
+            return []
+        return steps_held(self.table.complete(), placed[1], self.table.world_size)
+
+    async def _mark_every(self) -> None:
+        """Group rank 0: every interval, name the newest step it holds (the others write
+        their parts of it as soon as they hold it too)."""
+        assert self.marks is not None
+        while True:
+            await anyio.sleep(self.persist_interval)
+            placed, held = self._ranks(), self._held_steps()
+            if placed is None or placed[0].group_rank != 0 or not held:
+                continue
+            if self.persisted is not None and held[0] <= self.persisted:
+                continue
+            try:
+                await self.marks.put(held[0], placed[0].round)
+            except RendezvousError as exc:
+                logger.warning("snapshot_dir: cannot name step %d to persist: %s", held[0],
+                               exc)
+
+    async def _follow_marks(self) -> None:
+        assert self.marks is not None
+        async for mark in self.marks.follow():
+            placed = self._ranks()
+            if placed is not None and mark.round == placed[0].round:
+                self._wanted = mark
+                await self._persist_wanted()
+
+    async def _persist_wanted(self) -> None:
+        """Write this node's part of the marked step once it holds it complete."""
+        wanted, placed = self._wanted, self._ranks()
+        if wanted is None or placed is None or wanted.round != placed[0].round:
+            return
+        if wanted.step in self._held_steps():
+            self._wanted = None
+            await self._write_part(wanted.step)
+
+    async def _write_part(self, step: int) -> None:
+        """Write this node's part of ``step`` (its ranks' files, or group rank 0 the
+        replicated one), and the job-wide marker if every part is there."""
+        placed = self._ranks()
+        disk = self.disk
+        if disk is None or placed is None:
+            return
+        result, ranks = placed
+        slots = slots_at(self.table.complete(), step, ranks, self.table.world_size)
+        if slots is None or (REPLICATED in slots and result.group_rank != 0):
+            return  # not held (evicted), or replicated: group rank 0 writes the one copy
+        async with self._persisting:
+            for slot in slots.values():
+                self.table.set_persisting(slot.key, slot.index, True)
+            try:
+                complete = await anyio.to_thread.run_sync(functools.partial(
+                    disk.write, step, slots, self.regions.open_read, self.table.world_size,
+                    REPLICATED in slots, group_rank=result.group_rank,
+                    nodes=result.group_world_size), abandon_on_cancel=True)
+            except DirRefused as exc:
+                logger.warning("snapshot_dir: not written: %s", exc)
+                self.disk = None
+                return
+            except OSError as exc:
+                self._persist_failed(step, exc)
+                return
+            finally:
+                for slot in slots.values():
+                    self.table.set_persisting(slot.key, slot.index, False)
+        logger.info("snapshot_dir: this node's part of step %d written%s", step,
+                    " (the step is complete)" if complete else "")
+        if complete:
+            self.persisted = max(step, self.persisted or step)
+        await self._read_disk_steps()
+
+    def _persist_failed(self, step: int, exc: OSError) -> None:
+        self.persist_failures += 1
+        if "persist" not in self._warned:
+            self._warned.add("persist")
+            logger.warning("snapshot_dir: cannot write step %d (%s); training goes on, "
+                           "memory keeps the snapshots (further failures are counted)",
+                           step, exc.strerror or exc)
 
     # ------------------------------------------------------------------ status
     def status(self) -> dict[str, Any]:
