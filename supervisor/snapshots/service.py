@@ -179,7 +179,7 @@ class SnapshotService:
 
     def _restored(self, restore: Restore) -> None:
         logger.info("snapshots: this attempt restores step %d (%s, from %s)", restore.step,
-                    "replicated" if restore.replicated else f"{len(restore.slots)} ranks",
+                    "replicated" if restore.replicated else f"{len(restore.slots)} rank(s)",
                     restore.source)
         self.on_restore(restore)
 

@@ -6,10 +6,12 @@ failure (torchrun), bit for bit."""
 
 from __future__ import annotations
 
+import json
 import uuid
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+import anyio
 import pytest
 
 from tests.e2e.test_snapshot_torch import STEPS, WORKER, Trace, reference
@@ -25,7 +27,7 @@ __all__ = ["reference"]  # the torchrun run without a failure (a module fixture)
 
 
 def node_args(tmp_path: Path, n: int, backend: list[str], *worker_args: str) -> list[str]:
-    (tmp_path / f"shm{n}").mkdir(exist_ok=True)
+    (tmp_path / f"shm{n}").mkdir(parents=True, exist_ok=True)
     return ["--tee", "3", "--health-port", "0", "--nnodes", "2", "--nproc-per-node", "1",
             "--max-restarts", "1", *backend, "--shutdown-timeout", "5",
             "--log-dir", str(tmp_path / f"logs{n}"),
@@ -100,3 +102,41 @@ async def test_two_c10d_nodes_restore_one_step_after_a_crashed_rank(
         nodes = await two_nodes(stack, tmp_path, backend, "--crash-step", "5")
         trace = await finish(nodes)
     assert_one_step_restored(trace, reference, {4, 5})
+
+
+async def wait_for_file(path: Path, timeout: float) -> bytes:
+    """The file's bytes once it exists (written by rename: whole), bounded."""
+    with anyio.fail_after(timeout):
+        while not path.exists():
+            await anyio.sleep(0.1)
+    return path.read_bytes()
+
+
+@pytest.mark.etcd
+async def test_two_nodes_persist_one_step_in_parts_and_a_fresh_job_resumes_from_it(
+        tmp_path: Path, server: EtcdMember) -> None:
+    """Both nodes write their part of the step group rank 0 names (every second here) to
+    one --snapshot-dir; the job-wide marker names both nodes' files. At the end both
+    write their newest step; a new job (another run id, fresh memory) restores it from
+    DIR on both nodes, bit for bit."""
+    disk = tmp_path / "dir"
+    flags = ("--snapshot-dir", str(disk), "--snapshot-persist-interval", "1")
+    async with AsyncExitStack() as stack:
+        nodes = await two_nodes(stack, tmp_path, [*etcd_backend(server), *flags], "--hold", "4")
+        for rank, sup in enumerate(nodes):
+            await sup.out.expect(rf"rank {rank} attempt 0 complete 4$", timeout=150)
+        marker = json.loads(await wait_for_file(disk / "step_4" / "complete.json", 30))
+        assert marker["world_size"] == 2 and marker["replicated"] is False
+        assert {marker["files"]["0"].split("/")[0], marker["files"]["1"].split("/")[0]} == {
+            "node0", "node1"}  # each node wrote its own rank's file
+        (tmp_path / "go").write_text("")
+        first = await finish(nodes)
+    assert (disk / f"step_{STEPS}" / "complete.json").exists()
+    async with AsyncExitStack() as stack:
+        nodes = await two_nodes(stack, tmp_path / "again", [
+            *etcd_backend(server), *flags, "--snapshot-resume-any"])
+        again = await finish(nodes)
+    step, digest = again.restored_in(0)
+    assert step == STEPS and digest == first.saved[(0, step)][1]
+    for sup in nodes:
+        assert "snapshots: this attempt restores step 10 (1 rank(s), from disk)" in sup.err.text()
