@@ -223,6 +223,8 @@ class SnapshotService:
             restore = self.table.restore
             if restore is not None and restore.slots:
                 self._restored(restore)
+            elif restore is not None:  # nothing to restore here after all: saves start over
+                self.table.forget()
             loaded.set()
             self.changed()
 

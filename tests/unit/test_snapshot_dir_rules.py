@@ -9,9 +9,12 @@ import pytest
 from supervisor.core.snapshotdir import (
     Manifest,
     Marker,
+    Part,
     file_name,
+    merge,
     parse_manifest,
     parse_marker,
+    parse_part,
     step_of,
     to_prune,
 )
@@ -62,3 +65,37 @@ def test_step_directories_are_recognised() -> None:
 def test_only_steps_older_than_the_two_newest_complete_are_pruned() -> None:
     assert to_prune([3, 5], [1, 2, 3, 4, 5, 6]) == [1, 2]
     assert to_prune([5], [1, 5]) == []  # one complete step: keep everything
+
+
+def part(group_rank: int, files: dict[int, str], *, nodes: int = 2, world_size: int = 2,
+         replicated: bool = False, step: int = 7) -> Part:
+    return Part(step, group_rank, nodes, world_size, replicated, files)
+
+
+def test_a_step_is_whole_only_when_every_nodes_part_is_there() -> None:
+    a = part(0, {0: file_name(0, 0)})
+    b = part(1, {1: file_name(1, 1)})
+    assert merge([a]) is None and merge([b]) is None
+    assert merge([b, a]) == Marker(7, 2, False, {0: file_name(0, 0), 1: file_name(1, 1)})
+
+
+def test_parts_that_disagree_or_miss_a_rank_make_no_marker() -> None:
+    a = part(0, {0: file_name(0, 0)})
+    assert merge([a, part(1, {1: file_name(1, 1)}, world_size=3)]) is None
+    assert merge([a, part(1, {1: file_name(1, 1)}, nodes=3)]) is None
+    assert merge([a, part(1, {2: file_name(1, 2)})]) is None
+
+
+def test_a_replicated_step_has_one_part() -> None:
+    only = part(0, {-1: file_name(0, -1)}, nodes=1, world_size=4, replicated=True)
+    assert merge([only]) == Marker(7, 4, True, {-1: file_name(0, -1)})
+
+
+def test_a_part_round_trips_and_names_only_files_of_its_own_node() -> None:
+    a = part(1, {1: file_name(1, 1)})
+    assert parse_part(a.encode(), 7, 1) == a
+    assert parse_part(a.encode(), 7, 0) is None  # read as another node's
+    assert parse_part(a.encode(), 8, 1) is None
+    stray = part(1, {1: file_name(0, 1)})  # a file in node0's directory
+    assert parse_part(stray.encode(), 7, 1) is None
+    assert parse_part(b'{"format": 1', 7, 1) is None
