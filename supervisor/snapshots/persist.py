@@ -3,8 +3,9 @@ by a run that starts with nothing in memory.
 
 Blocking file I/O: called in a worker thread, never on the event loop. A step is written
 file by file, each streamed from its region with ``copy_file_range`` (no copy through
-our memory), ``fsync``-ed and renamed into place; then the job-wide marker the same way;
-then steps older than the two newest complete ones are removed. The layout and what is
+our memory), ``fsync``-ed and renamed into place; then the node's part (``part.json``)
+the same way; then, when every node's part is there, the job-wide marker; then steps
+older than the two newest complete ones are removed. The layout and what is
 trusted in it: ``core.snapshotdir``.
 """
 
@@ -61,11 +62,9 @@ class OnDisk:
 class SnapshotDir:
     """The job's ``--snapshot-dir`` as this node sees it."""
 
-    def __init__(self, path: Path, run_id: str, *, group_rank: int = 0,
-                 any_run: bool = False) -> None:
+    def __init__(self, path: Path, run_id: str, *, any_run: bool = False) -> None:
         self.path = path
         self.run_id = run_id
-        self.group_rank = group_rank
         self.any_run = any_run
 
     def check(self) -> None:

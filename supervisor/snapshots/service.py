@@ -3,7 +3,9 @@ socket, and the restore step decided at every launch.
 
 A controller ``Observer``: when the state machine decides a launch (the last attempt's
 workers are all stopped by then), the table decides the step the new attempt restores
-(``core.slots``). Requests from the socket are answered here: a reservation gets a slot
+(``core.slots``); over several nodes (etcd, c10d) the round decided it
+(``core.jobstep``: this node reported ``report()`` when it joined) and the ranks this
+node does not hold are read from ``--snapshot-dir``. Requests from the socket are answered here: a reservation gets a slot
 (its region made or grown in a thread: reserving pages of a large region takes tens of
 milliseconds), a commit makes a slot complete (and is the rank's progress), a restore
 query gets the attempt's step.
