@@ -7,6 +7,7 @@ failure (torchrun), bit for bit."""
 from __future__ import annotations
 
 import json
+import signal
 import uuid
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from tests.e2e.test_snapshot_torch import STEPS, WORKER, Trace, reference
+from tests.e2e.test_snapshot_torch import RESTORED, STEPS, WORKER, Trace, reference
 from tests.support import deps
 from tests.support.daemon import Supervised, supervisor
 from tests.support.etcd import EtcdMember
@@ -140,3 +141,36 @@ async def test_two_nodes_persist_one_step_in_parts_and_a_fresh_job_resumes_from_
     assert step == STEPS and digest == first.saved[(0, step)][1]
     for sup in nodes:
         assert "snapshots: this attempt restores step 10 (1 rank(s), from disk)" in sup.err.text()
+
+
+@pytest.mark.etcd
+async def test_a_node_that_replaces_a_lost_one_takes_its_ranks_state_from_the_dir(
+        tmp_path: Path, server: EtcdMember, reference: Trace) -> None:
+    """Both nodes hold step 4 and wrote it to DIR; one node dies (SIGKILL: its memory is
+    gone) and a fresh node takes its place: the round's step is 4, which the survivor has
+    in memory (or in DIR, if its rank moved) and the newcomer reads from DIR; both
+    restore it, bit for bit, and the job computes the reference's losses."""
+    disk = tmp_path / "dir"
+    backend = [*etcd_backend(server), "--snapshot-dir", str(disk),
+               "--snapshot-persist-interval", "1"]
+    async with AsyncExitStack() as stack:
+        nodes = await two_nodes(stack, tmp_path, backend, "--hold", "4")
+        for rank, sup in enumerate(nodes):
+            await sup.out.expect(rf"rank {rank} attempt 0 complete 4$", timeout=150)
+        await wait_for_file(disk / "step_4" / "complete.json", 30)
+        survivor, lost = nodes
+        lost.signal(signal.SIGKILL)
+        await lost.wait(timeout=30)
+        (tmp_path / "go").write_text("")
+        newcomer = await stack.enter_async_context(supervisor(node_args(
+            tmp_path / "new", 0, backend)))
+        for sup in (survivor, newcomer):
+            assert await sup.wait(timeout=150) == 0, sup.err.text()[-3000:]
+    saved = Trace.of(lost.out.lines).saved[(1, 4)][1]
+    restored = [m for sup in (survivor, newcomer) for line in sup.out.lines
+                if (m := RESTORED.search(line)) and m[3] != "0"]
+    assert sorted((int(m[1]), int(m[3]), m[4]) for m in restored) == [
+        (0, 4, saved), (1, 4, saved)]
+    assert "from disk" in newcomer.err.text()
+    trace = Trace.of([line for sup in (survivor, lost, newcomer) for line in sup.out.lines])
+    assert trace.losses == reference.losses
