@@ -5,10 +5,10 @@ A controller ``Observer``: when the state machine decides a launch (the last att
 workers are all stopped by then), the table decides the step the new attempt restores
 (``core.slots``); over several nodes (etcd, c10d) the round decided it
 (``core.jobstep``: this node reported ``report()`` when it joined) and the ranks this
-node does not hold are read from ``--snapshot-dir``. Requests from the socket are answered here: a reservation gets a slot
-(its region made or grown in a thread: reserving pages of a large region takes tens of
-milliseconds), a commit makes a slot complete (and is the rank's progress), a restore
-query gets the attempt's step.
+node does not hold are read from ``--snapshot-dir``. Requests from the socket are
+answered here: a reservation gets a slot (its region made or grown in a thread: reserving
+pages of a large region takes tens of milliseconds), a commit makes a slot complete (and
+is the rank's progress), a restore query gets the attempt's step.
 """
 
 from __future__ import annotations
@@ -124,6 +124,7 @@ class SnapshotService:
         # (``marks``), every node writes its part of it once it holds it (``_wanted``)
         self.marks: PersistMarks | None = None
         self._wanted: PersistMark | None = None
+        self._written: set[tuple[int, int]] = set()  # (round, step): this node's part
 
     @property
     def socket_path(self) -> Path:
@@ -467,8 +468,9 @@ class SnapshotService:
             return
         result, ranks = placed
         slots = slots_at(self.table.complete(), step, ranks, self.table.world_size)
-        if slots is None or (REPLICATED in slots and result.group_rank != 0):
-            return  # not held (evicted), or replicated: group rank 0 writes the one copy
+        if slots is None or (REPLICATED in slots and result.group_rank != 0) or (
+                result.round, step) in self._written:
+            return  # not held (evicted); replicated: group rank 0 writes the one copy
         async with self._persisting:
             for slot in slots.values():
                 self.table.set_persisting(slot.key, slot.index, True)
@@ -487,6 +489,8 @@ class SnapshotService:
             finally:
                 for slot in slots.values():
                     self.table.set_persisting(slot.key, slot.index, False)
+        self._written = {w for w in self._written if w[0] == result.round}
+        self._written.add((result.round, step))
         logger.info("snapshot_dir: this node's part of step %d written%s", step,
                     " (the step is complete)" if complete else "")
         if complete:

@@ -114,33 +114,38 @@ async def wait_for_file(path: Path, timeout: float) -> bytes:
 
 
 @pytest.mark.etcd
+@pytest.mark.parametrize("mode", [[], ["--replicated"]], ids=["per-rank", "replicated"])
 async def test_two_nodes_persist_one_step_in_parts_and_a_fresh_job_resumes_from_it(
-        tmp_path: Path, server: EtcdMember) -> None:
+        tmp_path: Path, server: EtcdMember, mode: list[str]) -> None:
     """Both nodes write their part of the step group rank 0 names (every second here) to
-    one --snapshot-dir; the job-wide marker names both nodes' files. At the end both
-    write their newest step; a new job (another run id, fresh memory) restores it from
-    DIR on both nodes, bit for bit."""
+    one --snapshot-dir (replicated: group rank 0 writes the one copy); the job-wide
+    marker names every rank's file. At the end both write their newest step; a new job
+    (another run id, fresh memory) restores it from DIR on both nodes, bit for bit."""
     disk = tmp_path / "dir"
     flags = ("--snapshot-dir", str(disk), "--snapshot-persist-interval", "1")
     async with AsyncExitStack() as stack:
-        nodes = await two_nodes(stack, tmp_path, [*etcd_backend(server), *flags], "--hold", "4")
+        nodes = await two_nodes(stack, tmp_path, [*etcd_backend(server), *flags],
+                                "--hold", "4", *mode)
         for rank, sup in enumerate(nodes):
             await sup.out.expect(rf"rank {rank} attempt 0 complete 4$", timeout=150)
         marker = json.loads(await wait_for_file(disk / "step_4" / "complete.json", 30))
-        assert marker["world_size"] == 2 and marker["replicated"] is False
-        assert {marker["files"]["0"].split("/")[0], marker["files"]["1"].split("/")[0]} == {
-            "node0", "node1"}  # each node wrote its own rank's file
+        assert marker["world_size"] == 2 and marker["replicated"] is bool(mode)
+        if mode:
+            assert marker["files"] == {"-1": "node0/node.pt"}
+        else:  # each node wrote its own rank's file
+            assert {marker["files"][r].split("/")[0] for r in "01"} == {"node0", "node1"}
         (tmp_path / "go").write_text("")
         first = await finish(nodes)
     assert (disk / f"step_{STEPS}" / "complete.json").exists()
     async with AsyncExitStack() as stack:
         nodes = await two_nodes(stack, tmp_path / "again", [
-            *etcd_backend(server), *flags, "--snapshot-resume-any"])
+            *etcd_backend(server), *flags, "--snapshot-resume-any"], *mode)
         again = await finish(nodes)
     step, digest = again.restored_in(0)
     assert step == STEPS and digest == first.saved[(0, step)][1]
+    how = "replicated" if mode else "1 rank(s)"
     for sup in nodes:
-        assert "snapshots: this attempt restores step 10 (1 rank(s), from disk)" in sup.err.text()
+        assert f"this attempt restores step {STEPS} ({how}, from disk)" in sup.err.text()
 
 
 @pytest.mark.etcd

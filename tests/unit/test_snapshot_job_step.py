@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from supervisor.core.jobstep import DiskStep, JobStep, Report, Span, decide, make_report, spans
-from supervisor.core.slots import REPLICATED, Reserved, SlotTable
+from supervisor.core.slots import REPLICATED, Reserved, SlotTable, slots_at, steps_held
 from supervisor.rendezvous.decode import Join, Result, decode
 from supervisor.rendezvous.etcd_state import result_value
 from supervisor.rendezvous.jobstep_wire import WireReport, report_value
@@ -133,3 +133,18 @@ def test_a_node_settles_on_its_replicated_copy_and_on_nothing() -> None:
     assert restore is not None and restore.replicated and missing == []
     restore, missing = table.settle(6, None, range(4, 6), 7)
     assert restore is None and missing == [] and table.complete() == []
+
+
+def test_a_node_persists_only_steps_it_holds_for_every_rank_it_runs() -> None:
+    table = SlotTable(world_size=4)
+    for step in (3, 4):
+        committed(table, 2, step)
+    committed(table, 3, 3)
+    assert steps_held(table.complete(), range(2, 4), 4) == [3]
+    assert steps_held(table.complete(), range(2, 4), 2) == []  # saved under another world
+    slots = slots_at(table.complete(), 3, range(2, 4), 4)
+    assert slots is not None and set(slots) == {2, 3}
+    assert slots_at(table.complete(), 4, range(2, 4), 4) is None
+    committed(table, REPLICATED, 5)
+    replicated = slots_at(table.complete(), 5, range(2, 4), 4)
+    assert replicated is not None and set(replicated) == {REPLICATED}
