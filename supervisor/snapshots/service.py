@@ -142,8 +142,9 @@ class SnapshotService:
                 self._tg = tg
                 path = await tg.start(self.channel.run)
                 if self.disk is not None and self.coordinated:
-                    tg.start_soon(self._mark_every)
-                    tg.start_soon(self._follow_marks)
+                    if self.marks is not None:
+                        tg.start_soon(self._mark_every, self.marks)
+                        tg.start_soon(self._follow_marks, self.marks)
                 elif self.disk is not None:
                     tg.start_soon(self._persist_every)
                 task_status.started(path)
@@ -425,10 +426,9 @@ class SnapshotService:
             return []
         return steps_held(self.table.complete(), placed[1], self.table.world_size)
 
-    async def _mark_every(self) -> None:
+    async def _mark_every(self, marks: PersistMarks) -> None:
         """Group rank 0: every interval, name the newest step it holds (the others write
         their parts of it as soon as they hold it too)."""
-        assert self.marks is not None
         while True:
             await anyio.sleep(self.persist_interval)
             placed, held = self._ranks(), self._held_steps()
@@ -437,14 +437,13 @@ class SnapshotService:
             if self.persisted is not None and held[0] <= self.persisted:
                 continue
             try:
-                await self.marks.put(held[0], placed[0].round)
+                await marks.put(held[0], placed[0].round)
             except RendezvousError as exc:
                 logger.warning("snapshot_dir: cannot name step %d to persist: %s", held[0],
                                exc)
 
-    async def _follow_marks(self) -> None:
-        assert self.marks is not None
-        async for mark in self.marks.follow():
+    async def _follow_marks(self, marks: PersistMarks) -> None:
+        async for mark in marks.follow():
             placed = self._ranks()
             if placed is not None and mark.round == placed[0].round:
                 self._wanted = mark
