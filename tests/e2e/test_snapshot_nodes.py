@@ -27,10 +27,11 @@ pytestmark = [pytest.mark.torch, pytest.mark.xdist_group("torch"), pytest.mark.t
 __all__ = ["reference"]  # the torchrun run without a failure (a module fixture)
 
 
-def node_args(tmp_path: Path, n: int, backend: list[str], *worker_args: str) -> list[str]:
+def node_args(tmp_path: Path, n: int, backend: list[str], *worker_args: str,
+              restarts: int = 1) -> list[str]:
     (tmp_path / f"shm{n}").mkdir(parents=True, exist_ok=True)
     return ["--tee", "3", "--health-port", "0", "--nnodes", "2", "--nproc-per-node", "1",
-            "--max-restarts", "1", *backend, "--shutdown-timeout", "5",
+            "--max-restarts", str(restarts), *backend, "--shutdown-timeout", "5",
             "--log-dir", str(tmp_path / f"logs{n}"),
             "--snapshot-memory-dir", str(tmp_path / f"shm{n}"),
             WORKER, str(tmp_path), "--steps", str(STEPS), *worker_args]
@@ -179,3 +180,24 @@ async def test_a_node_that_replaces_a_lost_one_takes_its_ranks_state_from_the_di
     assert "from disk" in newcomer.err.text()
     trace = Trace.of([line for sup in (survivor, lost, newcomer) for line in sup.out.lines])
     assert trace.losses == reference.losses
+
+
+@pytest.mark.etcd
+async def test_a_job_that_fails_for_good_persists_the_newest_step_every_node_holds(
+        tmp_path: Path, server: EtcdMember) -> None:
+    """Ranks one step apart when the job fails for good (no restart left): the first node
+    holds steps 4 and 5, the second 3 and 4; each writes its part of its two newest
+    steps at the end, so step 4 is complete in DIR and step 5 (one part) is not."""
+    disk = tmp_path / "dir"
+    backend = [*etcd_backend(server), "--snapshot-dir", str(disk)]
+    async with AsyncExitStack() as stack:
+        nodes = [await stack.enter_async_context(supervisor(
+            node_args(tmp_path, n, backend, "--apart", "5", restarts=0))) for n in range(2)]
+        await nodes[0].out.expect(r"rank 0 attempt 0 complete 5$", timeout=150)
+        await nodes[1].out.expect(r"rank 1 attempt 0 complete 4$", timeout=150, since=0)
+        (tmp_path / "go").write_text("")
+        for sup in nodes:
+            assert await sup.wait(timeout=150) != 0
+    marker = json.loads((disk / "step_4" / "complete.json").read_bytes())
+    assert sorted(marker["files"]) == ["0", "1"]
+    assert (disk / "step_5").is_dir() and not (disk / "step_5" / "complete.json").exists()
