@@ -77,7 +77,7 @@ async def agent_main(args: argparse.Namespace) -> None:
     """Run ``args.count`` participants; obey commands on stdin, report on stdout."""
     import anyio
 
-    from supervisor.rendezvous.etcd import EtcdRendezvous, EtcdRendezvousConfig
+    from supervisor.rendezvous.etcd.backend import EtcdRendezvous, EtcdRendezvousConfig
 
     raise_nofile()
     import logging

@@ -19,8 +19,8 @@ from supervisor.core.peers import PeerCheck
 from supervisor.errors import RendezvousError as RendezvousError
 
 if TYPE_CHECKING:  # types of the etcd's wire and settings layers, which never import this
-    from supervisor.rendezvous.etcd_client import Reachability
-    from supervisor.rendezvous.etcd_config import EtcdRendezvousConfig
+    from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
+    from supervisor.rendezvous.etcd.wire.client import Reachability
 
 
 class RendezvousResult(msgspec.Struct, frozen=True):

@@ -3,7 +3,7 @@ import sys
 
 import anyio
 
-from supervisor.rendezvous.etcd import EtcdRendezvousConfig, open_etcd_rendezvous
+from supervisor.rendezvous.etcd.backend import EtcdRendezvousConfig, open_etcd_rendezvous
 
 
 async def main() -> None:

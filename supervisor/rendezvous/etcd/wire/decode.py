@@ -16,7 +16,7 @@ UTF-8, printable text), the largest value accepted, and what a bad value means:
   be opened past it): a bad value reads as "closed, failed" with a reason naming the key.
 
 The shape of the gateway's own JSON (base64 keys and values, int64 revisions) is checked
-here too (``gateway_kv``), for ``etcd_client.KeyValue.from_json``.
+here too (``gateway_kv``), for ``client.KeyValue.from_json``.
 
 To read a new key: define its ``Struct`` (field types with ``Meta`` bounds; a
 ``__post_init__`` for cross-field rules), add a ``Schema`` row, and call
@@ -275,7 +275,7 @@ SCHEMAS: dict[str, Schema] = {
     "ctl/shape": Schema(Shape, 1 << 10, OnBad.IGNORE),  # advisory: no verdict from it
     "nodes/join": Schema(Join, 2 << 10, OnBad.IGNORE),
     "status": Schema(Summary, 8 << 10, OnBad.IGNORE),
-    # healing (rendezvous/etcd_health.py): a bad cause or record is one node's claim
+    # healing (rendezvous/etcd/node_records.py): a bad cause or record is one node's claim
     # about itself; the job is safe without it (the node counts as having none)
     "ctl/cause": Schema(nh.RoundCause, 16 << 10, OnBad.IGNORE, _check_cause),
     "health": Schema(nh.NodeRecord, 64 << 10, OnBad.IGNORE, _check_record),
@@ -383,7 +383,7 @@ def count_ignored(kind: str, key: str, why: str, revision: int = 0) -> None:
 
 
 class WireError(ValueError):
-    """etcd's gateway answered JSON that is not what etcd sends (``etcd_client`` turns it
+    """etcd's gateway answered JSON that is not what etcd sends (``client`` turns it
     into an ``EtcdError``)."""
 
 

@@ -1,6 +1,6 @@
 """The etcd v3 rendezvous backend (DESIGN section 4), O(1) etcd work per agent per round.
 
-Every agent follows only the job's control keys (``ctl/``, see ``etcd_state``) by one
+Every agent follows only the job's control keys (``ctl/``, see ``keys``) by one
 watch and writes only its own keys, each by one guarded txn: it joins a round, waits to be
 admitted, publishes the master (group rank 0), opens a new round after its own failure,
 marks itself done. One agent, the **leader** (whoever holds the lease-bound ``ctl/leader``
@@ -45,8 +45,33 @@ from supervisor.rendezvous.base import (
     RendezvousResult,
     free_port,
 )
-from supervisor.rendezvous.decode import BadValue, bounded
-from supervisor.rendezvous.etcd_client import (
+from supervisor.rendezvous.etcd.config import (
+    EtcdRendezvousConfig,
+    RendezvousConfigError,
+    make_config,
+    parse_endpoints,
+    parse_nnodes,
+    parse_rdzv_conf,
+)
+from supervisor.rendezvous.etcd.cutoff import CutoffCheck
+from supervisor.rendezvous.etcd.keys import (
+    ROOT,
+    Keys,
+    Member,
+    Policy,
+    State,
+    advance_txn,
+    close_job_txn,
+    round_guard,
+)
+from supervisor.rendezvous.etcd.leader import Leader
+from supervisor.rendezvous.etcd.lease import LeaseKeeper, PausableDeadline
+from supervisor.rendezvous.etcd.leave_notice import LeaveNotices
+from supervisor.rendezvous.etcd.node_records import EtcdNodeLedger
+from supervisor.rendezvous.etcd.peers import check_peers
+from supervisor.rendezvous.etcd.sameid import ended_line, meet, shape_value
+from supervisor.rendezvous.etcd.waitreport import WaitClock, WaitProgress, unresolved
+from supervisor.rendezvous.etcd.wire.client import (
     EtcdClient,
     EtcdError,
     EtcdLeaseNotFound,
@@ -57,40 +82,15 @@ from supervisor.rendezvous.etcd_client import (
     hedge_delay,
     put_op,
 )
-from supervisor.rendezvous.etcd_config import (
-    EtcdRendezvousConfig,
-    RendezvousConfigError,
-    make_config,
-    parse_endpoints,
-    parse_nnodes,
-    parse_rdzv_conf,
-)
-from supervisor.rendezvous.etcd_cutoff import CutoffCheck
-from supervisor.rendezvous.etcd_health import EtcdNodeLedger
-from supervisor.rendezvous.etcd_leader import Leader
-from supervisor.rendezvous.etcd_lease import LeaseKeeper, PausableDeadline
-from supervisor.rendezvous.etcd_peers import check_peers
-from supervisor.rendezvous.etcd_state import (
-    ROOT,
-    Keys,
-    Member,
-    Policy,
-    State,
-    advance_txn,
-    close_job_txn,
-    round_guard,
-)
-from supervisor.rendezvous.etcd_watch import PrefixView, open_prefix_view
-from supervisor.rendezvous.leave_notice import LeaveNotices
-from supervisor.rendezvous.sameid import ended_line, meet, shape_value
-from supervisor.rendezvous.waitreport import WaitClock, WaitProgress, unresolved
+from supervisor.rendezvous.etcd.wire.decode import BadValue, bounded
+from supervisor.rendezvous.etcd.wire.watch import PrefixView, open_prefix_view
 
 __all__ = [
     "ROOT", "EtcdRendezvous", "EtcdRendezvousConfig", "RendezvousConfigError", "make_config",
     "open_etcd_rendezvous", "parse_endpoints", "parse_nnodes", "parse_rdzv_conf",
 ]
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("supervisor.rendezvous.etcd")  # the backend's lines, whichever module
 
 _CAS_ATTEMPTS = 50
 PEER_LEARNING_BOUND = 1.0  # seconds a completed round may spend reading its peers' URLs
@@ -578,7 +578,7 @@ class EtcdRendezvous:
 
     async def _arrive(self, lws: int) -> None:
         """Before this node first joins: has it met another job under the same run id?
-        (``supervisor.rendezvous.sameid``) Records the job's shape if nobody did yet."""
+        (``supervisor.rendezvous.etcd.sameid``) Records the job's shape if nobody did yet."""
         state, key = self._state(), self._keys.ctl + "shape"
         shape = msgspec.to_builtins(state.shape) if state.shape else None  # bad: ignored
         members = state.members(state.round)
@@ -897,12 +897,12 @@ class EtcdRendezvous:
         logger.error("%s %s closed as failed: %s", self.config.label, self.run_id, message)
 
     def node_ledger(self, limits: Limits) -> NodeLedger:
-        """This node's health facts in the job's etcd (``etcd_health``)."""
+        """This node's health facts in the job's etcd (``node_records``)."""
         return EtcdNodeLedger(self._client, self._keys.prefix, self.config.health_id,
                               self.node_id, limits, spare=lambda: self._spare)
 
     async def check_peers(self, result: RendezvousResult, within: float) -> PeerCheck:
-        """The other members' health endpoints and leases (``etcd_peers``)."""
+        """The other members' health endpoints and leases (``peers``)."""
         return await check_peers(self._client, self._keys, self._cutoff, self.run_id,
                                  self.node_id, result, within)
 

@@ -13,8 +13,8 @@ follows, are under ``nodes/``::
     ctl/master/N              {"addr", "port"}        published by group rank 0 of round N
     ctl/restarts              {"count": K}            job-wide failure restarts
     ctl/closed                {"ok", "reason"}        the job is over for everyone
-    ctl/cause/N               {"node", ...}           round N's root cause (etcd_health)
-    health/<node>             {"failures", ...}       a node's failure record (etcd_health)
+    ctl/cause/N               {"node", ...}           round N's root cause (node_records)
+    health/<node>             {"failures", ...}       a node's failure record (node_records)
     nodes/N/join/<node>       lease-bound             joined round N (address, local world size)
     nodes/N/wait/<node>       lease-bound             arrived after round N completed; wants in
     nodes/N/done/<node>       not lease-bound         finished its workers (exit barrier)
@@ -32,7 +32,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from supervisor.rendezvous.decode import (
+from supervisor.rendezvous.etcd.node_records import cause_key, lost_reason
+from supervisor.rendezvous.etcd.wire.client import JsonDict, KeyValue, compare, delete_op, put_op
+from supervisor.rendezvous.etcd.wire.decode import (
     MAX_TEXT,
     Closed,
     Join,
@@ -47,8 +49,6 @@ from supervisor.rendezvous.decode import (
     node_part_ok,
     shown,
 )
-from supervisor.rendezvous.etcd_client import JsonDict, KeyValue, compare, delete_op, put_op
-from supervisor.rendezvous.etcd_health import cause_key, lost_reason
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -74,7 +74,7 @@ class Keys:
         return f"{self.ctl}master/{n}"
 
     def cause(self, n: int) -> str:
-        """``ctl/cause/N``: round N's root cause (``etcd_health``)."""
+        """``ctl/cause/N``: round N's root cause (``node_records``)."""
         return cause_key(self.prefix, n)
 
     def node(self, n: int, kind: str, node: str = "") -> str:

@@ -27,11 +27,11 @@ import msgspec
 from supervisor.core.goodput import Ledger, totals
 from supervisor.core.nodehealth import NodeRecord, record_text
 from supervisor.core.snapshot import Snapshot
-from supervisor.rendezvous.decode import Summary, decode, printable
-from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError, hedge_delay
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdError, hedge_delay
+from supervisor.rendezvous.etcd.wire.decode import Summary, decode, printable
 
 if TYPE_CHECKING:
-    from supervisor.rendezvous.etcd_config import EtcdRendezvousConfig
+    from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +207,8 @@ async def read_job(client: EtcdClient, run_id: str) -> tuple[list[dict[str, Any]
 
 
 async def _quarantined(client: EtcdClient, run_id: str) -> list[NodeRecord]:
-    from supervisor.rendezvous.etcd_health import health_prefix, records_of
-    from supervisor.rendezvous.etcd_state import Keys
+    from supervisor.rendezvous.etcd.keys import Keys
+    from supervisor.rendezvous.etcd.node_records import health_prefix, records_of
 
     prefix = Keys(run_id).prefix
     found = await client.range(health_prefix(prefix), prefix=True)

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import aiohttp
 import anyio
 
-from supervisor.rendezvous.decode import WireError, gateway_kv, gateway_list
+from supervisor.rendezvous.etcd.wire.decode import WireError, gateway_kv, gateway_list
 
 logger = logging.getLogger(__name__)
 
@@ -623,7 +623,7 @@ class EtcdClient:
         """Revoke the lease, deleting every key bound to it."""
         await self.call("/v3/lease/revoke", {"ID": str(lease_id)})
 
-    # what the client learnt about each member (watches follow it, see etcd_watch)
+    # what the client learnt about each member (watches follow it, see watch.py)
 
     @property
     def preferred(self) -> str:

@@ -1,5 +1,5 @@
 """The etcd rendezvous leader: while this agent holds ``ctl/leader``, it follows every key
-of the job and carries out ``etcd_state.decide`` (close a round, open the next one, close
+of the job and carries out ``keys.decide`` (close a round, open the next one, close
 the job). Every other agent only follows ``ctl/``; see ``etcd`` for the protocol."""
 
 from __future__ import annotations
@@ -10,9 +10,7 @@ import time
 
 import anyio
 
-from supervisor.rendezvous.etcd_client import EtcdClient
-from supervisor.rendezvous.etcd_lease import LeaseKeeper
-from supervisor.rendezvous.etcd_state import (
+from supervisor.rendezvous.etcd.keys import (
     Advance,
     Close,
     Keys,
@@ -26,7 +24,9 @@ from supervisor.rendezvous.etcd_state import (
     close_round_txn,
     decide,
 )
-from supervisor.rendezvous.etcd_watch import PrefixView, open_prefix_view
+from supervisor.rendezvous.etcd.lease import LeaseKeeper
+from supervisor.rendezvous.etcd.wire.client import EtcdClient
+from supervisor.rendezvous.etcd.wire.watch import PrefixView, open_prefix_view
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 torchrun's c10d backend needs no server set up beforehand: the agent on the endpoint's
 host serves a TCPStore and the others connect to it. Here the supervisor on that host
 starts a single-member etcd as its child instead, and every node, the host included, runs
-the etcd rendezvous (``supervisor.rendezvous.etcd``) against it, so scale-up by watch, node
+the etcd rendezvous (``supervisor.rendezvous.etcd.backend``) against it, so scale-up by watch, node
 loss by lease, graceful leave, the job-wide restart budget and the exit barrier all work.
 
 Who hosts is decided as torchrun decides (``_create_tcp_store``): ``is_host`` in
@@ -59,7 +59,7 @@ from supervisor.rendezvous.base import (
     RendezvousError,
     RendezvousResult,
 )
-from supervisor.rendezvous.c10d_access import (
+from supervisor.rendezvous.c10d.access import (
     ListenPlan,
     LoopbackTls,
     check_port_owner,
@@ -67,17 +67,17 @@ from supervisor.rendezvous.c10d_access import (
     listen_plan,
 )
 from supervisor.rendezvous.conf import read_conf
-from supervisor.rendezvous.etcd import (
+from supervisor.rendezvous.etcd.backend import (
     EtcdRendezvous,
     EtcdRendezvousConfig,
     EventHook,
     RendezvousConfigError,
     make_config,
 )
-from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError, EtcdUnavailable
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdError, EtcdUnavailable
 from supervisor.rendezvous.static import StaticRendezvous
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("supervisor.rendezvous.c10d")  # the backend's lines, whichever module
 
 DEFAULT_PORT = 29400  # torchrun's c10d default
 STARTUP_TIMEOUT = 30.0  # seconds the hosted etcd may take to become healthy
