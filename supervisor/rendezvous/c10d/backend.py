@@ -54,6 +54,7 @@ from supervisor.core.peers import PeerCheck
 from supervisor.rendezvous.base import (
     BarrierResult,
     Capabilities,
+    EtcdService,
     NodeLedger,
     RendezvousClosed,
     RendezvousError,
@@ -489,7 +490,7 @@ class C10dRendezvous:
         pid = self.server_pid
         return [pid] if pid is not None else []
 
-    def etcd_service(self) -> EtcdRendezvous:
+    def etcd_service(self) -> EtcdService:
         return self.inner
 
     async def connect(self) -> None:

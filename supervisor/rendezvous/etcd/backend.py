@@ -39,6 +39,7 @@ from supervisor.core.peers import PeerCheck
 from supervisor.rendezvous.base import (
     BarrierResult,
     Capabilities,
+    EtcdService,
     NodeLedger,
     RendezvousClosed,
     RendezvousError,
@@ -213,7 +214,7 @@ class EtcdRendezvous:
     def extra_pids(self) -> list[int]:
         return []
 
-    def etcd_service(self) -> EtcdRendezvous:
+    def etcd_service(self) -> EtcdService:
         return self
 
     async def connect(self) -> None:
