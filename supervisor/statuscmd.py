@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from supervisor.core.untrusted import as_dict, as_list, clean, sanitise, text
 
 if TYPE_CHECKING:
-    from supervisor.rendezvous.etcd.backend import EtcdRendezvousConfig
+    from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
 
 DEFAULT_URL = "http://127.0.0.1:29480"
 DEFAULT_TIMEOUT = 5.0
@@ -167,7 +167,7 @@ def _job_status(ns: argparse.Namespace) -> int:
     if not (ns.rdzv_endpoint and ns.rdzv_id):
         sys.stderr.write(f"{PROG}: error: --rdzv-endpoint and --rdzv-id go together\n")
         return EXIT_USAGE
-    from supervisor.rendezvous.etcd.backend import RendezvousConfigError, make_config
+    from supervisor.rendezvous.etcd.config import RendezvousConfigError, make_config
 
     try:
         config = make_config(endpoint=ns.rdzv_endpoint, run_id=ns.rdzv_id, nnodes="1",

@@ -15,12 +15,11 @@ import anyio.abc
 import pytest
 
 from supervisor.rendezvous.base import RendezvousClosed, RendezvousError, RendezvousResult
-from supervisor.rendezvous.etcd.backend import (
-    EtcdRendezvous,
+from supervisor.rendezvous.etcd.backend import EtcdRendezvous, open_etcd_rendezvous
+from supervisor.rendezvous.etcd.config import (
     EtcdRendezvousConfig,
     RendezvousConfigError,
     make_config,
-    open_etcd_rendezvous,
     parse_endpoints,
     parse_nnodes,
     parse_rdzv_conf,

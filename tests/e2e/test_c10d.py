@@ -35,7 +35,7 @@ from supervisor.rendezvous.c10d.backend import (
     matches_this_machine,
     parse_endpoint,
 )
-from supervisor.rendezvous.etcd.backend import RendezvousConfigError, make_config
+from supervisor.rendezvous.etcd.config import RendezvousConfigError, make_config
 from supervisor.rendezvous.static import StaticRendezvous
 from tests.support.daemon import supervisor
 from tests.support.etcd import etcd_binary

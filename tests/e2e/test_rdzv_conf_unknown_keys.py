@@ -12,7 +12,7 @@ import pytest
 
 from supervisor.rendezvous.c10d.backend import make_c10d_config
 from supervisor.rendezvous.conf import RendezvousConfigError, read_conf, unquote
-from supervisor.rendezvous.etcd.backend import parse_rdzv_conf
+from supervisor.rendezvous.etcd.config import parse_rdzv_conf
 from tests.support.etcd import etcd_binary
 from tests.support.ports import free_port
 

@@ -18,11 +18,8 @@ import anyio
 import pytest
 
 from supervisor.rendezvous.base import RendezvousError
-from supervisor.rendezvous.etcd.backend import (
-    EtcdRendezvous,
-    EtcdRendezvousConfig,
-    open_etcd_rendezvous,
-)
+from supervisor.rendezvous.etcd.backend import EtcdRendezvous, open_etcd_rendezvous
+from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
 from supervisor.rendezvous.etcd.waitreport import WaitClock, WaitProgress, unresolved
 from tests.support.daemon import supervisor
 from tests.support.etcd import EtcdMember

@@ -13,7 +13,8 @@ import anyio
 import pytest
 
 from supervisor.rendezvous.base import RendezvousClosed
-from supervisor.rendezvous.etcd.backend import EtcdRendezvousConfig, open_etcd_rendezvous
+from supervisor.rendezvous.etcd.backend import open_etcd_rendezvous
+from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
 from supervisor.rendezvous.etcd.sameid import meet
 from tests.support.daemon import supervisor
 from tests.support.etcd import EtcdMember, etcd_binary

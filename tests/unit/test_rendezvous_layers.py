@@ -18,6 +18,7 @@ LAYERS: dict[str, str] = {
     "etcd.wire": "the etcd client: its requests, watch streams and the decoding of values",
     "base": "the protocol and the small service protocols, naming no backend",
     "conf": "--rdzv-conf parsing, shared by the backends",
+    "etcd.config": "the etcd backend's settings (the registry makes them)",
     "etcd": "the etcd backend's parts, one job each",
     "etcd.backend": "the etcd backend's facade",
     "local_health": "the static backend's node records, in memory",
@@ -30,12 +31,14 @@ MAY_IMPORT: dict[str, set[str]] = {
     "etcd.wire": {"etcd.wire"},
     "base": {"base"},
     "conf": {"conf"},
-    "etcd": {"etcd", "etcd.wire", "base", "conf"},
-    "etcd.backend": {"etcd", "etcd.wire", "base", "conf"},
+    "etcd.config": {"etcd.config", "etcd.wire", "conf"},
+    "etcd": {"etcd", "etcd.config", "etcd.wire", "base", "conf"},
+    "etcd.backend": {"etcd", "etcd.config", "etcd.wire", "base", "conf"},
     "local_health": {"local_health"},
     "static": {"static", "local_health", "base"},
-    "c10d": {"c10d", "etcd.backend", "etcd", "etcd.wire", "base", "conf", "static"},
-    "registry": {"c10d", "etcd.backend", "static", "base", "conf"},
+    "c10d": {"c10d", "etcd.backend", "etcd.config", "etcd", "etcd.wire", "base", "conf",
+             "static"},
+    "registry": {"c10d", "etcd.backend", "etcd.config", "static", "base", "conf"},
     "watch": {"base"},
 }
 # what the wire and the base may import from the rest of supervisor/: what lies below
@@ -78,12 +81,14 @@ def test_an_arrow_up_is_found() -> None:
     graph = {name: set(targets) for name, targets in _graph().items()}
     graph[PKG + ".etcd.wire.client"].add(PKG + ".etcd.keys")  # the wire reads round logic
     graph[PKG + ".base"].add(PKG + ".etcd.config")  # the base names a backend
+    graph[PKG + ".registry"].add(PKG + ".etcd.rounds")  # past the facade
     graph[PKG + ".etcd.keys"].add(PKG + ".etcd.backend")  # a part reaches its facade
     graph[PKG + ".static"].add(PKG + ".registry")
     assert upward_arrows(graph) == [
-        f"{PKG}.base (base) -> {PKG}.etcd.config (etcd)",
+        f"{PKG}.base (base) -> {PKG}.etcd.config (etcd.config)",
         f"{PKG}.etcd.keys (etcd) -> {PKG}.etcd.backend (etcd.backend)",
         f"{PKG}.etcd.wire.client (etcd.wire) -> {PKG}.etcd.keys (etcd)",
+        f"{PKG}.registry (registry) -> {PKG}.etcd.rounds (etcd)",
         f"{PKG}.static (static) -> {PKG}.registry (registry)",
     ]
 

@@ -68,10 +68,10 @@ from supervisor.rendezvous.c10d.access import (
     listen_plan,
 )
 from supervisor.rendezvous.conf import read_conf
-from supervisor.rendezvous.etcd.backend import (
-    EtcdRendezvous,
+from supervisor.rendezvous.etcd.agent import EventHook
+from supervisor.rendezvous.etcd.backend import EtcdRendezvous
+from supervisor.rendezvous.etcd.config import (
     EtcdRendezvousConfig,
-    EventHook,
     RendezvousConfigError,
     make_config,
 )
