@@ -28,13 +28,9 @@ import pytest
 from supervisor.app import make_rendezvous, resolve_run_id
 from supervisor.cli import parse_run_args
 from supervisor.config import ConfigError
-from supervisor.rendezvous.c10d.backend import (
-    DEFAULT_PORT,
-    C10dRendezvous,
-    make_c10d_config,
-    matches_this_machine,
-    parse_endpoint,
-)
+from supervisor.rendezvous.c10d.backend import C10dRendezvous
+from supervisor.rendezvous.c10d.config import DEFAULT_PORT, make_c10d_config, parse_endpoint
+from supervisor.rendezvous.c10d.host import matches_this_machine
 from supervisor.rendezvous.etcd.config import RendezvousConfigError, make_config
 from supervisor.rendezvous.static import StaticRendezvous
 from tests.support.daemon import supervisor
