@@ -1,6 +1,6 @@
 """The etcd rendezvous leader: while this agent holds ``ctl/leader``, it follows every key
 of the job and carries out ``keys.decide`` (close a round, open the next one, close
-the job). Every other agent only follows ``ctl/``; see ``etcd`` for the protocol."""
+the job). Every other agent only follows ``ctl/``; see ``backend`` for the protocol."""
 
 from __future__ import annotations
 
