@@ -21,7 +21,7 @@ name, so a supervisor restarted on the same host finds its record. Clearing a no
 record lets it back in: ``elastic-supervisor node clear --rdzv-endpoint ... --rdzv-id JOB
 NODE`` (or ``etcdctl del /elastic-supervisor/JOB/health/NODE``).
 
-Every value read here goes through the job's one decoder (``rendezvous/decode.py``, rows
+Every value read here goes through the job's one decoder (``rendezvous/etcd/wire/decode.py``, rows
 ``ctl/cause`` and ``health``): a malformed value is counted, logged once and treated as
 absent, never a crash.
 """
