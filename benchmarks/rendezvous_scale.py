@@ -77,7 +77,8 @@ async def agent_main(args: argparse.Namespace) -> None:
     """Run ``args.count`` participants; obey commands on stdin, report on stdout."""
     import anyio
 
-    from supervisor.rendezvous.etcd import EtcdRendezvous, EtcdRendezvousConfig
+    from supervisor.rendezvous.etcd.backend import EtcdRendezvous
+    from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
 
     raise_nofile()
     import logging
@@ -143,7 +144,7 @@ async def agent_main(args: argparse.Namespace) -> None:
                 go.set()
             elif cmd == "stats":
                 say(ev="stats", stats={n: r.stats for n, r in rdzvs.items()},
-                    leader={n: r._lease.id == _leader_lease(r) for n, r in rdzvs.items()})
+                    leader={n: r.lease_id == _leader_lease(r) for n, r in rdzvs.items()})
             elif cmd == "leave":
                 loops[rest[0]].cancel()
                 say(ev="leaving", node=rest[0], t=time.monotonic())
@@ -156,7 +157,7 @@ async def agent_main(args: argparse.Namespace) -> None:
 
 
 def _leader_lease(rdzv: Any) -> int:
-    state = rdzv._state()
+    state = rdzv._agent.state()
     return state.leader.lease if state.leader is not None else -1
 
 

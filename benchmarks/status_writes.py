@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import REPO
-from supervisor.rendezvous.summary import summary_prefix
+from supervisor.rendezvous.etcd.summary import summary_prefix
 from tests.support.etcd import etcd_factory
 
 

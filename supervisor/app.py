@@ -71,7 +71,7 @@ from supervisor.preflight import (
 from supervisor.priority import describe as describe_priority
 from supervisor.priority import raise_loop_priority
 from supervisor.rendezvous.base import Rendezvous, RendezvousError
-from supervisor.rendezvous.persist_mark import PersistMarks
+from supervisor.rendezvous.etcd.persist_mark import PersistMarks
 from supervisor.rendezvous.registry import (
     backend_advisories,
     conf_barrier_timeout,
@@ -481,7 +481,7 @@ def start_summaries(
     every backend that keeps one: etcd, etcd-v2, and c10d in the etcd its host runs."""
     etcd = rendezvous.etcd_service()
     if etcd is not None and rendezvous.capabilities.job_status:
-        from supervisor.rendezvous.summary import publish_summaries
+        from supervisor.rendezvous.etcd.summary import publish_summaries
 
         tg.start_soon(publish_summaries, etcd, hub, lambda: health_url)
 
@@ -536,7 +536,7 @@ async def serve_when_launched(
     # imported in a thread: the loop goes on reading the FIFO, pidfds and output meanwhile
     # (~100 ms here, seconds on a loaded node, which would stamp deadline posts late)
     etcd = controller.rendezvous.etcd_service()
-    extra = (("supervisor.rendezvous.etcd_metrics",) if etcd is not None else ()) + (
+    extra = (("supervisor.rendezvous.etcd.metrics",) if etcd is not None else ()) + (
         ("supervisor.health.healing_metrics",) if controller.healing is not None else ()) + (
         ("supervisor.health.snapshot_metrics",) if snapshots is not None else ())
     await anyio.to_thread.run_sync(functools.partial(import_modules, *HTTP_STACK, *extra))
@@ -547,7 +547,7 @@ async def serve_when_launched(
                       watchdog=watchdog.stats if watchdog is not None else None)
     controller.attach_late(metrics)
     if etcd is not None:
-        from supervisor.rendezvous.etcd_metrics import EtcdCollector
+        from supervisor.rendezvous.etcd.metrics import EtcdCollector
 
         metrics.registry.register(EtcdCollector(etcd))
     if controller.healing is not None:

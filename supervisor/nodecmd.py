@@ -23,7 +23,7 @@ from supervisor.core.untrusted import text
 
 if TYPE_CHECKING:
     from supervisor.core.nodehealth import NodeRecord
-    from supervisor.rendezvous.etcd import EtcdRendezvousConfig
+    from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
 
 PROG = "elastic-supervisor node"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -53,7 +53,7 @@ def main_node(argv: list[str]) -> int:
     if ns.action == "clear" and not ns.nodes:
         sys.stderr.write(f"{PROG}: error: clear needs the node(s) to clear\n")
         return EXIT_USAGE
-    from supervisor.rendezvous.etcd import RendezvousConfigError, make_config
+    from supervisor.rendezvous.etcd.config import RendezvousConfigError, make_config
 
     try:
         config = make_config(endpoint=ns.rdzv_endpoint, run_id=ns.rdzv_id, nnodes="1",
@@ -69,9 +69,9 @@ def main_node(argv: list[str]) -> int:
 
 
 async def _act(config: EtcdRendezvousConfig, ns: argparse.Namespace) -> int:
-    from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
-    from supervisor.rendezvous.etcd_health import clear_node, health_prefix, records_of
-    from supervisor.rendezvous.etcd_state import Keys
+    from supervisor.rendezvous.etcd.keys import Keys
+    from supervisor.rendezvous.etcd.node_records import clear_node, health_prefix, records_of
+    from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdError
 
     prefix = Keys(config.run_id).prefix
     try:

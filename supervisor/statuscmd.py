@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from supervisor.core.untrusted import as_dict, as_list, clean, sanitise, text
 
 if TYPE_CHECKING:
-    from supervisor.rendezvous.etcd import EtcdRendezvousConfig
+    from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
 
 DEFAULT_URL = "http://127.0.0.1:29480"
 DEFAULT_TIMEOUT = 5.0
@@ -167,7 +167,7 @@ def _job_status(ns: argparse.Namespace) -> int:
     if not (ns.rdzv_endpoint and ns.rdzv_id):
         sys.stderr.write(f"{PROG}: error: --rdzv-endpoint and --rdzv-id go together\n")
         return EXIT_USAGE
-    from supervisor.rendezvous.etcd import RendezvousConfigError, make_config
+    from supervisor.rendezvous.etcd.config import RendezvousConfigError, make_config
 
     try:
         config = make_config(endpoint=ns.rdzv_endpoint, run_id=ns.rdzv_id, nnodes="1",
@@ -188,7 +188,7 @@ def _job_status(ns: argparse.Namespace) -> int:
         sys.stderr.write(f"{PROG}: showing the first {MAX_ROWS} of {len(rows)} nodes\n")
         rows = rows[:MAX_ROWS]
     if ns.json:
-        from supervisor.rendezvous.summary import goodput_now
+        from supervisor.rendezvous.etcd.summary import goodput_now
 
         for row in rows:
             row["goodput_now"] = goodput_now(row, now)
@@ -203,8 +203,8 @@ def _read_job(config: EtcdRendezvousConfig, timeout: float
               ) -> tuple[list[dict[str, Any]], int]:
     import anyio
 
-    from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
-    from supervisor.rendezvous.summary import read_job
+    from supervisor.rendezvous.etcd.summary import read_job
+    from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdError
 
     async def read() -> tuple[list[dict[str, Any]], int]:
         async with EtcdClient(config.endpoints, timeout=timeout, tls=config.tls,
@@ -223,7 +223,7 @@ _JOB_COLUMNS = ("NODE", "RANK", "HOST", "STATE", "ATTEMPT", "RESTARTS", "GOODPUT
 
 def format_job(run_id: str, rows: Sequence[dict[str, Any]], now_wall: float) -> str:
     """One row per node of the job, from the summaries in etcd."""
-    from supervisor.rendezvous.summary import goodput_now
+    from supervisor.rendezvous.etcd.summary import goodput_now
 
     if not rows:
         return f"job {run_id}: no node has published a status (not running, or not etcd)\n"
@@ -310,7 +310,7 @@ def _node_line(doc: dict[str, Any], in_round: bool) -> str:
 
 
 def _waiting_lines(etcd: object) -> list[str]:
-    """What the rendezvous waits for (``rendezvous.waitreport``), while it waits."""
+    """What the rendezvous waits for (``rendezvous.etcd.waitreport``), while it waits."""
     waiting = etcd.get("waiting") if isinstance(etcd, dict) else None
     if not isinstance(waiting, dict):
         return []

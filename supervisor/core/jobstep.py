@@ -18,7 +18,7 @@ one that every member can give; none: the job starts from scratch.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -67,6 +67,9 @@ class Report:
     def empty(self) -> bool:
         return not (self.memory or self.replicated or self.disk)
 
+
+
+ReportSource = Callable[[], "Report | None"]  # what a node holds now (None: no snapshots)
 
 def spans(held: Iterable[tuple[int, int, int]]) -> tuple[Span, ...]:
     """``(step, world_size, rank)`` triples as spans of consecutive ranks, the newest

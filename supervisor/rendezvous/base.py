@@ -9,22 +9,17 @@ in ``capabilities``. ``static`` is the embedded default (no server); ``etcd`` an
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING, Any, Protocol
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
 
 import msgspec
 from anyio.abc import TaskStatus
 
-from supervisor.core.jobstep import JobStep
+from supervisor.core.jobstep import JobStep, ReportSource
 from supervisor.core.nodehealth import Judgement, Limits, NodeFailure, Quarantine, RoundCause
 from supervisor.core.peers import PeerCheck
 from supervisor.errors import RendezvousError as RendezvousError
-
-if TYPE_CHECKING:  # types of the etcd's wire and settings layers, which never import this
-    from collections.abc import AsyncIterator
-
-    from supervisor.rendezvous.etcd_client import KeyValue, Reachability
-    from supervisor.rendezvous.etcd_config import EtcdRendezvousConfig
-    from supervisor.rendezvous.jobstep_wire import ReportSource
 
 
 class RendezvousResult(msgspec.Struct, frozen=True):
@@ -192,12 +187,44 @@ class PeerNotices(Protocol):
         ...
 
 
-class EtcdService(Protocol):
-    """The etcd behind an etcd-based backend, for what runs beside the rounds: /status's
-    outage view, the etcd metrics, peers' leave notices and the job's status summaries."""
+class TlsSettings(Protocol):
+    """The TLS files a client of the service uses (``etcd.wire.client.TlsFiles``)."""
+
+    def ssl_context(self) -> ssl.SSLContext: ...
+
+
+class ServiceSettings(Protocol):
+    """Where the backend's service is and how to reach it (``etcd.config``'s settings):
+    what runs beside the rounds opens its own client with them."""
 
     @property
-    def config(self) -> EtcdRendezvousConfig: ...
+    def endpoints(self) -> tuple[str, ...]: ...
+
+    @property
+    def run_id(self) -> str: ...
+
+    @property
+    def local_addr(self) -> str: ...
+
+    @property
+    def request_timeout(self) -> float: ...
+
+    @property
+    def tls(self) -> TlsSettings | None: ...
+
+    @property
+    def user(self) -> str | None: ...
+
+    @property
+    def password(self) -> str | None: ...
+
+
+class JobStatusStore(Protocol):
+    """Where this node publishes its status summary (the job-wide view of ``status``):
+    the service's settings, this node's id and the lease its summary is bound to."""
+
+    @property
+    def config(self) -> ServiceSettings: ...
 
     @property
     def node_id(self) -> str: ...
@@ -205,8 +232,26 @@ class EtcdService(Protocol):
     @property
     def lease_id(self) -> int: ...
 
+
+class Reachability(Protocol):
+    """Whether the service answers, as its client last found out (monotonic times)."""
+
     @property
-    def notices(self) -> PeerNotices: ...
+    def unreachable_since(self) -> float | None: ...  # the current outage began
+
+    @property
+    def outages(self) -> int: ...  # outages so far
+
+    @property
+    def total_outage(self) -> float: ...  # seconds unreachable over all finished outages
+
+    def outage_age(self, now: float) -> float:
+        """Seconds the current outage has lasted at ``now`` (0: none)."""
+        ...
+
+
+class OutageView(Protocol):
+    """The service's reachability and traffic: /status's outage view, the metrics."""
 
     @property
     def reachability(self) -> Reachability: ...
@@ -214,18 +259,40 @@ class EtcdService(Protocol):
     @property
     def stats(self) -> dict[str, int]: ...
 
+    def outage_status(self) -> dict[str, Any]:
+        """For ``/status``: whether the service answers, and the outages so far."""
+        ...
+
+
+class ControlValue(Protocol):
+    """One control key as the service holds it."""
+
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def value(self) -> bytes: ...
+
+    @property
+    def mod_revision(self) -> int: ...
+
+
+class EtcdService(JobStatusStore, OutageView, Protocol):
+    """The etcd behind an etcd-based backend (etcd, etcd-v2, c10d's hosted one), for what
+    runs beside the rounds: the job's status summaries, /status's outage view, the etcd
+    metrics and peers' leave notices."""
+
     snapshot_report: ReportSource | None  # what this node's snapshots hold, told at a join
+
+    @property
+    def notices(self) -> PeerNotices: ...
 
     async def put_control(self, name: str, value: str) -> None:
         """Put ``ctl/<name>`` (every agent's control watch brings it)."""
         ...
 
-    def control_changes(self, name: str) -> AsyncIterator[KeyValue | None]:
+    def control_changes(self, name: str) -> AsyncIterator[ControlValue | None]:
         """``ctl/<name>`` now, then after each change of the control keys."""
-        ...
-
-    def outage_status(self) -> dict[str, Any]:
-        """For ``/status``: whether etcd answers, and the outages so far."""
         ...
 
 

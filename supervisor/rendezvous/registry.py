@@ -84,7 +84,8 @@ def _static(settings: Settings, run_id: str, runtime_dir: Path, on_event: EventH
 def _etcd(settings: Settings, run_id: str, runtime_dir: Path, on_event: EventHook | None
           ) -> Rendezvous:
     """``etcd`` and ``etcd-v2`` both use our etcd v3 backend."""
-    from supervisor.rendezvous.etcd import EtcdRendezvous, RendezvousConfigError, make_config
+    from supervisor.rendezvous.etcd.backend import EtcdRendezvous
+    from supervisor.rendezvous.etcd.config import RendezvousConfigError, make_config
 
     try:
         config = make_config(
@@ -100,8 +101,8 @@ def _c10d(settings: Settings, run_id: str, runtime_dir: Path, on_event: EventHoo
           ) -> Rendezvous:
     """May host an etcd whose data lives in ``runtime_dir`` (``--standalone`` keeps
     torchrun's meaning: one node)."""
-    from supervisor.rendezvous.c10d import make_c10d_rendezvous
-    from supervisor.rendezvous.etcd import RendezvousConfigError
+    from supervisor.rendezvous.c10d.backend import make_c10d_rendezvous
+    from supervisor.rendezvous.etcd.config import RendezvousConfigError
 
     try:
         return make_c10d_rendezvous(

@@ -44,7 +44,7 @@ from supervisor.core.slots import (
 )
 from supervisor.core.snapshot import ProgressTable
 from supervisor.errors import RendezvousError
-from supervisor.rendezvous.jobstep_wire import PersistMark
+from supervisor.rendezvous.etcd.wire.jobstep import PersistMark
 from supervisor.snapshots.channel import (
     Commit,
     Identify,
@@ -59,7 +59,7 @@ from supervisor.snapshots.persist import DirRefused, OnDisk, SnapshotDir, file_s
 
 if TYPE_CHECKING:
     from supervisor.rendezvous.base import RendezvousResult
-    from supervisor.rendezvous.persist_mark import PersistMarks
+    from supervisor.rendezvous.etcd.persist_mark import PersistMarks
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from supervisor.rendezvous.etcd_client import (
+from supervisor.rendezvous.etcd.lease import LeaseKeeper
+from supervisor.rendezvous.etcd.wire.client import (
     EtcdClient,
     EtcdError,
     EtcdLeaseNotFound,
@@ -22,8 +23,7 @@ from supervisor.rendezvous.etcd_client import (
     put_op,
     range_op,
 )
-from supervisor.rendezvous.etcd_lease import LeaseKeeper
-from supervisor.rendezvous.etcd_watch import open_prefix_view, open_watch
+from supervisor.rendezvous.etcd.wire.watch import open_prefix_view, open_watch
 from tests.support.etcd import (
     EtcdFactory,
     EtcdMember,
@@ -213,7 +213,7 @@ async def test_a_hedged_call_does_not_wait_on_a_silent_member(factory: EtcdFacto
             started = time.monotonic()
             # a loaded machine can make a healthy member slower than the hedge too: then
             # a later ask may answer "not found" for the lease an earlier one revoked (the
-            # leave counts that as revoked, etcd_lease.LeaseKeeper.revoke); a CI run saw it
+            # leave counts that as revoked, lease.LeaseKeeper.revoke); a CI run saw it
             with anyio.fail_after(5), contextlib.suppress(EtcdLeaseNotFound):
                 await client.lease_revoke(lease)
             took = time.monotonic() - started

@@ -15,17 +15,16 @@ import anyio.abc
 import pytest
 
 from supervisor.rendezvous.base import RendezvousClosed, RendezvousError, RendezvousResult
-from supervisor.rendezvous.etcd import (
-    EtcdRendezvous,
+from supervisor.rendezvous.etcd.backend import EtcdRendezvous, open_etcd_rendezvous
+from supervisor.rendezvous.etcd.config import (
     EtcdRendezvousConfig,
     RendezvousConfigError,
     make_config,
-    open_etcd_rendezvous,
     parse_endpoints,
     parse_nnodes,
     parse_rdzv_conf,
 )
-from supervisor.rendezvous.etcd_client import EtcdClient
+from supervisor.rendezvous.etcd.wire.client import EtcdClient
 from tests.support.etcd import EtcdFactory, EtcdMember
 from tests.support.paths import REPO, WORKERS
 from tests.support.ports import free_port
@@ -664,7 +663,7 @@ def test_config_rejects_a_run_id_with_a_slash() -> None:
 async def test_metrics_collector_reports_reachability_and_traffic(server: EtcdMember) -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from supervisor.rendezvous.etcd_metrics import EtcdCollector
+    from supervisor.rendezvous.etcd.metrics import EtcdCollector
 
     async with agents([server.endpoint], 1, min_nodes=1, max_nodes=1) as (rdzv,):
         registry = CollectorRegistry()

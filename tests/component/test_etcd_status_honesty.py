@@ -13,7 +13,8 @@ import anyio
 import pytest
 from aiohttp import web
 
-from supervisor.rendezvous.etcd import EtcdRendezvous, EtcdRendezvousConfig
+from supervisor.rendezvous.etcd.backend import EtcdRendezvous
+from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
 from tests.support.etcd import EtcdMember
 
 NO_LEADER = (b'{"error":{"grpc_code":14,"http_code":503,"message":"etcdserver: no leader",'

@@ -1,4 +1,4 @@
-"""Strings from etcd pass ``rendezvous/decode.py``'s rules before anything uses them
+"""Strings from etcd pass ``rendezvous/etcd/wire/decode.py``'s rules before anything uses them
 (issue 52, finding 7): a peer's health URL was any ``http...`` string (logged raw, fetched,
 posted to with ``/leave-notice`` appended), node records' reasons were shown raw by
 ``node list``, and 20 records of 200 KB made every node's ``/status`` 4 MB.
@@ -18,16 +18,16 @@ import msgspec
 import pytest
 
 from supervisor.core import nodehealth as nh
-from supervisor.rendezvous.decode import health_url_host, peer_health_url
-from supervisor.rendezvous.etcd_client import EtcdClient
-from supervisor.rendezvous.etcd_cutoff import CutoffCheck
-from supervisor.rendezvous.etcd_health import (
+from supervisor.rendezvous.etcd.cutoff import CutoffCheck
+from supervisor.rendezvous.etcd.keys import Keys
+from supervisor.rendezvous.etcd.node_records import (
     MAX_SHOWN_NODES,
     EtcdNodeLedger,
     health_prefix,
 )
-from supervisor.rendezvous.etcd_state import Keys
-from supervisor.rendezvous.summary import summary_prefix
+from supervisor.rendezvous.etcd.summary import summary_prefix
+from supervisor.rendezvous.etcd.wire.client import EtcdClient
+from supervisor.rendezvous.etcd.wire.decode import health_url_host, peer_health_url
 from tests.support.etcd import EtcdMember
 
 pytestmark = pytest.mark.etcd

@@ -1,4 +1,4 @@
-"""Watches that cannot go blind (supervisor/rendezvous/etcd_watch.py), against real etcd:
+"""Watches that cannot go blind (supervisor/rendezvous/etcd/wire/watch.py), against real etcd:
 a member without a leader refuses the stream; a member that stops answering delays no
 event (the watch's second stream, on another member, delivers it) and its stream is
 moved to another member, with no event lost or repeated; an outage makes the view
@@ -14,8 +14,8 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from supervisor.rendezvous.etcd_client import EtcdClient, EtcdUnavailable
-from supervisor.rendezvous.etcd_watch import BACKLOG, LAG, Watch, open_prefix_view, open_watch
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdUnavailable
+from supervisor.rendezvous.etcd.wire.watch import BACKLOG, LAG, Watch, open_prefix_view, open_watch
 from tests.support.etcd import (
     EtcdFactory,
     EtcdMember,

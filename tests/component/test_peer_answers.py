@@ -16,9 +16,9 @@ import pytest
 from aiohttp import web
 
 from supervisor.core.leave_notice import GRACE, notice_body
-from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
-from supervisor.rendezvous.etcd_cutoff import CutoffCheck, _summary_url
-from supervisor.rendezvous.leave_notice import RECHECK, LeaveNotices
+from supervisor.rendezvous.etcd.cutoff import CutoffCheck, _summary_url
+from supervisor.rendezvous.etcd.leave_notice import RECHECK, LeaveNotices
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdError
 from tests.support.ports import free_port
 
 RUN = "job-1"

@@ -1,4 +1,4 @@
-"""The lost-peer check of the etcd backends (``etcd_peers.check_peers``) against a real
+"""The lost-peer check of the etcd backends (``etcd.peers.check_peers``) against a real
 etcd and real sockets: a health endpoint that refuses (gone), one that answers (alive), one
 that accepts and never answers (unsure, within the bound), and an answering peer whose join
 key is gone with its lease (gone)."""
@@ -17,11 +17,11 @@ from aiohttp import web
 
 from supervisor.core.peers import CHECK_BOUND, LostPeer
 from supervisor.rendezvous.base import RendezvousResult
-from supervisor.rendezvous.etcd_client import EtcdClient
-from supervisor.rendezvous.etcd_cutoff import CutoffCheck
-from supervisor.rendezvous.etcd_peers import check_peers
-from supervisor.rendezvous.etcd_state import Keys
-from supervisor.rendezvous.summary import summary_prefix
+from supervisor.rendezvous.etcd.cutoff import CutoffCheck
+from supervisor.rendezvous.etcd.keys import Keys
+from supervisor.rendezvous.etcd.peers import check_peers
+from supervisor.rendezvous.etcd.summary import summary_prefix
+from supervisor.rendezvous.etcd.wire.client import EtcdClient
 from tests.support.etcd import EtcdMember
 
 pytestmark = pytest.mark.etcd

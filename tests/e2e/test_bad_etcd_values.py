@@ -16,8 +16,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from supervisor.rendezvous.etcd_client import EtcdClient, _b64
-from supervisor.rendezvous.etcd_state import Keys
+from supervisor.rendezvous.etcd.keys import Keys
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, _b64
 from tests.support.daemon import supervisor
 from tests.support.etcd import EtcdMember
 from tests.support.paths import FAKE_WORKER

@@ -28,14 +28,10 @@ import pytest
 from supervisor.app import make_rendezvous, resolve_run_id
 from supervisor.cli import parse_run_args
 from supervisor.config import ConfigError
-from supervisor.rendezvous.c10d import (
-    DEFAULT_PORT,
-    C10dRendezvous,
-    make_c10d_config,
-    matches_this_machine,
-    parse_endpoint,
-)
-from supervisor.rendezvous.etcd import RendezvousConfigError, make_config
+from supervisor.rendezvous.c10d.backend import C10dRendezvous
+from supervisor.rendezvous.c10d.config import DEFAULT_PORT, make_c10d_config, parse_endpoint
+from supervisor.rendezvous.c10d.host import matches_this_machine
+from supervisor.rendezvous.etcd.config import RendezvousConfigError, make_config
 from supervisor.rendezvous.static import StaticRendezvous
 from tests.support.daemon import supervisor
 from tests.support.etcd import etcd_binary
@@ -386,7 +382,7 @@ async def test_every_documented_torchrun_command_line_is_accepted(
 def test_a_host_name_resolving_to_loopback_is_served_on_this_machines_addresses() -> None:
     import ipaddress
 
-    from supervisor.rendezvous.c10d_access import interface_addresses, listen_plan
+    from supervisor.rendezvous.c10d.access import interface_addresses, listen_plan
 
     assert listen_plan("localhost", None).ips == ("127.0.0.1",)
     assert listen_plan("127.0.0.1", None).ips == ("127.0.0.1",)

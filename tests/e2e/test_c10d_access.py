@@ -23,9 +23,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from supervisor.rendezvous.c10d_access import check_port_owner, port_owners
-from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError, TlsFiles
-from supervisor.rendezvous.etcd_state import Keys
+from supervisor.rendezvous.c10d.access import check_port_owner, port_owners
+from supervisor.rendezvous.etcd.keys import Keys
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdError, TlsFiles
 from tests.support.daemon import Supervised, supervisor
 from tests.support.etcd import TlsMaterial, etcd_binary, make_tls_material
 from tests.support.paths import FAKE_WORKER, TESTS

@@ -19,8 +19,8 @@ from typing import Any
 import anyio
 import pytest
 
-from supervisor.rendezvous.etcd_client import EtcdClient
-from supervisor.rendezvous.summary import STATUS_ROOT, read_summaries
+from supervisor.rendezvous.etcd.summary import STATUS_ROOT, read_summaries
+from supervisor.rendezvous.etcd.wire.client import EtcdClient
 from tests.support.nodes import cluster
 from tests.support.paths import REPO
 
@@ -108,7 +108,7 @@ async def test_status_without_etcd_is_one_clear_line(tmp_path: Path) -> None:
 async def test_publisher_writes_only_changes_bound_to_the_lease(
     server: Any
 ) -> None:
-    from supervisor.rendezvous.summary import SummaryPublisher, summary_prefix
+    from supervisor.rendezvous.etcd.summary import SummaryPublisher, summary_prefix
 
     summary = {"node_id": "n0", "state": "running", "attempt": 1}
     lease = [0]
@@ -131,8 +131,8 @@ async def test_publisher_writes_only_changes_bound_to_the_lease(
 async def test_status_reads_a_tls_etcd_with_the_options_of_run(
     tmp_path: Path, factory: Any
 ) -> None:
-    from supervisor.rendezvous.etcd_client import TlsFiles
-    from supervisor.rendezvous.summary import summary_prefix
+    from supervisor.rendezvous.etcd.summary import summary_prefix
+    from supervisor.rendezvous.etcd.wire.client import TlsFiles
     from tests.support.etcd import make_tls_material
     tls = make_tls_material(tmp_path / "tls")
     member = factory.single(tls=tls)

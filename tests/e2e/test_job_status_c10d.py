@@ -11,8 +11,8 @@ from typing import Any
 import anyio
 import pytest
 
-from supervisor.rendezvous.etcd_client import EtcdClient
-from supervisor.rendezvous.summary import read_summaries
+from supervisor.rendezvous.etcd.summary import read_summaries
+from supervisor.rendezvous.etcd.wire.client import EtcdClient
 from tests.support.daemon import supervisor
 from tests.support.etcd import etcd_binary
 from tests.support.paths import FAKE_WORKER

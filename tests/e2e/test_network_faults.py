@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from supervisor.rendezvous.etcd_cutoff import PROBE_INTERVAL, PROBE_TIMEOUT
+from supervisor.rendezvous.etcd.cutoff import PROBE_INTERVAL, PROBE_TIMEOUT
 from tests.support import netjob
 
 TTL = 3

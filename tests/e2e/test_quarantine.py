@@ -18,7 +18,7 @@ import pytest
 
 from supervisor.core import nodehealth as nh
 from supervisor.core.nodehealth import EXIT_QUARANTINED
-from supervisor.rendezvous.etcd_client import EtcdClient
+from supervisor.rendezvous.etcd.wire.client import EtcdClient
 from tests.support.etcd import EtcdMember, etcd_binary
 from tests.support.healing import (
     HealingJob,

@@ -1,6 +1,6 @@
 """Long rendezvous waits say what they wait for: a line every 30 s (here shorter), the
 same in ``/status`` and ``elastic-supervisor status``; a name that does not resolve is a
-WARNING each time (supervisor.rendezvous.waitreport)."""
+WARNING each time (supervisor.rendezvous.etcd.waitreport)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import anyio
 import pytest
 
 from supervisor.rendezvous.base import RendezvousError
-from supervisor.rendezvous.etcd import EtcdRendezvous, EtcdRendezvousConfig, open_etcd_rendezvous
-from supervisor.rendezvous.waitreport import WaitClock, WaitProgress, unresolved
+from supervisor.rendezvous.etcd.backend import EtcdRendezvous, open_etcd_rendezvous
+from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
+from supervisor.rendezvous.etcd.waitreport import WaitClock, WaitProgress, unresolved
 from tests.support.daemon import supervisor
 from tests.support.etcd import EtcdMember
 from tests.support.ports import free_port

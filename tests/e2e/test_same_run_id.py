@@ -1,5 +1,5 @@
 """Two jobs under one run id (both left at the default ``none``): a node that arrives at
-the other job says so at once, in one line, with the fix (supervisor.rendezvous.sameid)."""
+the other job says so at once, in one line, with the fix (supervisor.rendezvous.etcd.sameid)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import anyio
 import pytest
 
 from supervisor.rendezvous.base import RendezvousClosed
-from supervisor.rendezvous.etcd import EtcdRendezvousConfig, open_etcd_rendezvous
-from supervisor.rendezvous.sameid import meet
+from supervisor.rendezvous.etcd.backend import open_etcd_rendezvous
+from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
+from supervisor.rendezvous.etcd.sameid import meet
 from tests.support.daemon import supervisor
 from tests.support.etcd import EtcdMember, etcd_binary
 from tests.support.ports import free_port

@@ -17,8 +17,8 @@ import sys
 import anyio
 import pytest
 
-from supervisor.rendezvous.etcd_client import EtcdClient, _b64
-from supervisor.rendezvous.summary import summary_prefix
+from supervisor.rendezvous.etcd.summary import summary_prefix
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, _b64
 from tests.support.etcd import EtcdMember
 from tests.support.paths import REPO
 

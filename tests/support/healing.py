@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from supervisor.rendezvous.etcd_client import EtcdClient
+from supervisor.rendezvous.etcd.wire.client import EtcdClient
 from tests.support.daemon import Supervised, supervisor
 from tests.support.eventlog import read_events
 from tests.support.paths import TESTS

@@ -17,10 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from supervisor.rendezvous import decode as dec
 from supervisor.rendezvous.base import RendezvousError
-from supervisor.rendezvous.etcd_client import EtcdError, KeyValue
-from supervisor.rendezvous.etcd_state import (
+from supervisor.rendezvous.etcd.keys import (
     Close,
     Keys,
     State,
@@ -29,6 +27,8 @@ from supervisor.rendezvous.etcd_state import (
     close_round_txn,
     result_value,
 )
+from supervisor.rendezvous.etcd.wire import decode as dec
+from supervisor.rendezvous.etcd.wire.client import EtcdError, KeyValue
 
 KEYS = Keys("job")
 SETTINGS = settings(max_examples=60, deadline=None)

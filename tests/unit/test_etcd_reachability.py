@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from supervisor.rendezvous.etcd_client import (
+from supervisor.rendezvous.etcd.wire.client import (
     EtcdClient,
     EtcdError,
     JsonDict,

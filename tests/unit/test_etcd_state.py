@@ -6,8 +6,7 @@ import json
 import math
 from typing import Any
 
-from supervisor.rendezvous.etcd_client import KeyValue
-from supervisor.rendezvous.etcd_state import (
+from supervisor.rendezvous.etcd.keys import (
     Advance,
     Close,
     Keys,
@@ -20,6 +19,7 @@ from supervisor.rendezvous.etcd_state import (
     decide,
     result_value,
 )
+from supervisor.rendezvous.etcd.wire.client import KeyValue
 
 KEYS = Keys("job")
 POLICY = Policy(min_nodes=2, max_nodes=3, last_call_timeout=5.0)

@@ -6,14 +6,14 @@ import msgspec
 
 from supervisor.core import nodehealth as nh
 from supervisor.core.goodput import cause_of_membership
-from supervisor.rendezvous.etcd_client import KeyValue
-from supervisor.rendezvous.etcd_health import (
+from supervisor.rendezvous.etcd.node_records import (
     decode_cause,
     decode_record,
     health_prefix,
     lost_reason,
     records_of,
 )
+from supervisor.rendezvous.etcd.wire.client import KeyValue
 
 PREFIX = "/elastic-supervisor/job/"
 

@@ -23,5 +23,5 @@ def test_the_notice_hook_is_given_at_construction(tmp_path: Path, backend: str) 
                         rdzv_endpoint="127.0.0.1:2379")
     etcd = make_rendezvous(settings, "job", tmp_path, on_event=hook).etcd_service()
     assert etcd is not None
-    etcd._emit("etcd_unreachable", cause="test")  # what an outage reports
+    etcd._agent.emit("etcd_unreachable", cause="test")  # type: ignore[attr-defined]  # what an outage reports
     assert heard == [("etcd_unreachable", {"cause": "test"})]

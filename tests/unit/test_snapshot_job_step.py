@@ -1,5 +1,5 @@
 """The job-wide restore step a round decides (``core.jobstep``), its wire form
-(``rendezvous.jobstep_wire``) and a node's side of it (``SlotTable.settle``): pure."""
+(``rendezvous.etcd.wire.jobstep``) and a node's side of it (``SlotTable.settle``): pure."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from supervisor.core.jobstep import DiskStep, JobStep, Report, Span, decide, make_report, spans
 from supervisor.core.slots import REPLICATED, Reserved, SlotTable, slots_at, steps_held
-from supervisor.rendezvous.decode import Join, Result, decode
-from supervisor.rendezvous.etcd_state import result_value
-from supervisor.rendezvous.jobstep_wire import WireReport, report_value
+from supervisor.rendezvous.etcd.keys import result_value
+from supervisor.rendezvous.etcd.wire.decode import Join, Result, decode
+from supervisor.rendezvous.etcd.wire.jobstep import WireReport, report_value
 
 
 def held(steps: list[int], ranks: range, world: int) -> list[tuple[int, int, int]]:

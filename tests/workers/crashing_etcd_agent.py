@@ -3,7 +3,8 @@ import sys
 
 import anyio
 
-from supervisor.rendezvous.etcd import EtcdRendezvousConfig, open_etcd_rendezvous
+from supervisor.rendezvous.etcd.backend import open_etcd_rendezvous
+from supervisor.rendezvous.etcd.config import EtcdRendezvousConfig
 
 
 async def main() -> None:

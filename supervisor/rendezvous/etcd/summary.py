@@ -19,7 +19,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import anyio
 import msgspec
@@ -27,11 +27,9 @@ import msgspec
 from supervisor.core.goodput import Ledger, totals
 from supervisor.core.nodehealth import NodeRecord, record_text
 from supervisor.core.snapshot import Snapshot
-from supervisor.rendezvous.decode import Summary, decode, printable
-from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError, hedge_delay
-
-if TYPE_CHECKING:
-    from supervisor.rendezvous.etcd_config import EtcdRendezvousConfig
+from supervisor.rendezvous.base import JobStatusStore
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdError, hedge_delay
+from supervisor.rendezvous.etcd.wire.decode import Summary, decode, printable
 
 logger = logging.getLogger(__name__)
 
@@ -207,8 +205,8 @@ async def read_job(client: EtcdClient, run_id: str) -> tuple[list[dict[str, Any]
 
 
 async def _quarantined(client: EtcdClient, run_id: str) -> list[NodeRecord]:
-    from supervisor.rendezvous.etcd_health import health_prefix, records_of
-    from supervisor.rendezvous.etcd_state import Keys
+    from supervisor.rendezvous.etcd.keys import Keys
+    from supervisor.rendezvous.etcd.node_records import health_prefix, records_of
 
     prefix = Keys(run_id).prefix
     found = await client.range(health_prefix(prefix), prefix=True)
@@ -233,21 +231,8 @@ class Snapshots(Protocol):
     async def wait_changed(self, seen: int) -> int: ...
 
 
-class LeasedRendezvous(Protocol):
-    """What the publisher needs of the etcd backend: its settings, id and lease."""
-
-    @property
-    def config(self) -> EtcdRendezvousConfig: ...
-
-    @property
-    def node_id(self) -> str: ...
-
-    @property
-    def lease_id(self) -> int: ...
-
-
 async def publish_summaries(
-    rendezvous: LeasedRendezvous, hub: Snapshots, health_url: Callable[[], str | None],
+    rendezvous: JobStatusStore, hub: Snapshots, health_url: Callable[[], str | None],
     *, host: str | None = None,
 ) -> None:
     """Run this node's publisher until cancelled (its own client; same TLS and auth)."""

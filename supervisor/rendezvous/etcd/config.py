@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 from supervisor.rendezvous.conf import RendezvousConfigError as RendezvousConfigError
 from supervisor.rendezvous.conf import read_conf
-from supervisor.rendezvous.etcd_client import TlsFiles
+from supervisor.rendezvous.etcd.wire.client import TlsFiles
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from supervisor.rendezvous.base import EtcdService
-from supervisor.rendezvous.decode import IGNORED
+from supervisor.rendezvous.etcd.wire.decode import IGNORED
 
 PREFIX = "elastic_supervisor_etcd_"
 

@@ -16,7 +16,7 @@ UTF-8, printable text), the largest value accepted, and what a bad value means:
   be opened past it): a bad value reads as "closed, failed" with a reason naming the key.
 
 The shape of the gateway's own JSON (base64 keys and values, int64 revisions) is checked
-here too (``gateway_kv``), for ``etcd_client.KeyValue.from_json``.
+here too (``gateway_kv``), for ``client.KeyValue.from_json``.
 
 To read a new key: define its ``Struct`` (field types with ``Meta`` bounds; a
 ``__post_init__`` for cross-field rules), add a ``Schema`` row, and call
@@ -41,7 +41,7 @@ import msgspec
 
 from supervisor.core import nodehealth as nh
 from supervisor.errors import RendezvousError
-from supervisor.rendezvous.jobstep_wire import PersistMark, WireReport, WireStep
+from supervisor.rendezvous.etcd.wire.jobstep import PersistMark, WireReport, WireStep
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Result(msgspec.Struct, frozen=True):
 
     nodes: Annotated[list[NodeId], msgspec.Meta(min_length=1, max_length=MAX_NODES)]
     sizes: LocalWorld | list[LocalWorld]
-    snap: WireStep | None = None  # the step every rank restores (jobstep_wire)
+    snap: WireStep | None = None  # the step every rank restores (etcd.wire.jobstep)
 
     def __post_init__(self) -> None:
         _require_printable(*self.nodes)
@@ -141,7 +141,7 @@ class Join(msgspec.Struct, frozen=True):
     node: NodeId
     addr: Annotated[str, msgspec.Meta(max_length=253)]
     local_world_size: LocalWorld
-    snap: WireReport | None = None  # the snapshots it holds (jobstep_wire)
+    snap: WireReport | None = None  # the snapshots it holds (etcd.wire.jobstep)
 
     def __post_init__(self) -> None:
         _require_printable(self.node, self.addr)
@@ -277,10 +277,10 @@ SCHEMAS: dict[str, Schema] = {
     "ctl/closed": Schema(Closed, 16 << 10, OnBad.CLOSED),
     "ctl/shape": Schema(Shape, 1 << 10, OnBad.IGNORE),  # advisory: no verdict from it
     "nodes/join": Schema(Join, 4 << 10, OnBad.IGNORE),
-    # snapshots: a bad mark persists nothing until the next one (jobstep_wire)
+    # snapshots: a bad mark persists nothing until the next one (etcd.wire.jobstep)
     "ctl/persist": Schema(PersistMark, 1 << 10, OnBad.IGNORE),
     "status": Schema(Summary, 8 << 10, OnBad.IGNORE),
-    # healing (rendezvous/etcd_health.py): a bad cause or record is one node's claim
+    # healing (rendezvous/etcd/node_records.py): a bad cause or record is one node's claim
     # about itself; the job is safe without it (the node counts as having none)
     "ctl/cause": Schema(nh.RoundCause, 16 << 10, OnBad.IGNORE, _check_cause),
     "health": Schema(nh.NodeRecord, 64 << 10, OnBad.IGNORE, _check_record),
@@ -388,7 +388,7 @@ def count_ignored(kind: str, key: str, why: str, revision: int = 0) -> None:
 
 
 class WireError(ValueError):
-    """etcd's gateway answered JSON that is not what etcd sends (``etcd_client`` turns it
+    """etcd's gateway answered JSON that is not what etcd sends (``client`` turns it
     into an ``EtcdError``)."""
 
 

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
-from supervisor.rendezvous.etcd_client import (
+from supervisor.rendezvous.etcd.wire.client import (
     EtcdClient,
     EtcdError,
     EtcdLeaseNotFound,

@@ -13,8 +13,8 @@ follows, are under ``nodes/``::
     ctl/master/N              {"addr", "port"}        published by group rank 0 of round N
     ctl/restarts              {"count": K}            job-wide failure restarts
     ctl/closed                {"ok", "reason"}        the job is over for everyone
-    ctl/cause/N               {"node", ...}           round N's root cause (etcd_health)
-    health/<node>             {"failures", ...}       a node's failure record (etcd_health)
+    ctl/cause/N               {"node", ...}           round N's root cause (node_records)
+    health/<node>             {"failures", ...}       a node's failure record (node_records)
     nodes/N/join/<node>       lease-bound             joined round N (address, local world size)
     nodes/N/wait/<node>       lease-bound             arrived after round N completed; wants in
     nodes/N/done/<node>       not lease-bound         finished its workers (exit barrier)
@@ -33,7 +33,9 @@ from typing import Any, TypeVar
 import msgspec
 
 from supervisor.core.jobstep import JobStep
-from supervisor.rendezvous.decode import (
+from supervisor.rendezvous.etcd.node_records import cause_key, lost_reason
+from supervisor.rendezvous.etcd.wire.client import JsonDict, KeyValue, compare, delete_op, put_op
+from supervisor.rendezvous.etcd.wire.decode import (
     MAX_TEXT,
     Closed,
     Join,
@@ -48,9 +50,7 @@ from supervisor.rendezvous.decode import (
     node_part_ok,
     shown,
 )
-from supervisor.rendezvous.etcd_client import JsonDict, KeyValue, compare, delete_op, put_op
-from supervisor.rendezvous.etcd_health import cause_key, lost_reason
-from supervisor.rendezvous.jobstep_wire import result_fields
+from supervisor.rendezvous.etcd.wire.jobstep import result_fields
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -76,7 +76,7 @@ class Keys:
         return f"{self.ctl}master/{n}"
 
     def cause(self, n: int) -> str:
-        """``ctl/cause/N``: round N's root cause (``etcd_health``)."""
+        """``ctl/cause/N``: round N's root cause (``node_records``)."""
         return cause_key(self.prefix, n)
 
     def node(self, n: int, kind: str, node: str = "") -> str:
@@ -176,7 +176,7 @@ class State:
                 for node, size in zip(data.nodes, data.size_list(), strict=True)]
 
     def job_step(self, n: int) -> JobStep | None:
-        """The snapshot step round ``n``'s result carries (``jobstep_wire``)."""
+        """The snapshot step round ``n``'s result carries (``etcd.wire.jobstep``)."""
         data = self._value("ctl/result", self.keys.result(n), Result)
         return data.snap.job_step() if data is not None and data.snap is not None else None
 

@@ -19,7 +19,7 @@ brings it (one write per interval for the whole job).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Annotated, Any
 
 import msgspec
@@ -30,6 +30,7 @@ from supervisor.core.jobstep import (
     DiskStep,
     JobStep,
     Report,
+    ReportSource,
     Span,
     decide,
 )
@@ -39,7 +40,6 @@ _World = Annotated[int, msgspec.Meta(ge=1, le=1 << 31)]
 _Rank = Annotated[int, msgspec.Meta(ge=0, le=1 << 31)]
 _Flag = Annotated[int, msgspec.Meta(ge=0, le=1)]
 
-ReportSource = Callable[[], Report | None]  # what this node holds now (None: no snapshots)
 
 
 class WireReport(msgspec.Struct, frozen=True):

@@ -29,12 +29,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import aiohttp
 import anyio
 
-from supervisor.rendezvous.decode import WireError, gateway_kv, gateway_list
+from supervisor.rendezvous.etcd.wire.decode import WireError, gateway_kv, gateway_list
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +82,12 @@ class EtcdLeaseNotFound(EtcdError):
 
 class EtcdCompacted(EtcdError):
     """A watch asked for history that etcd has compacted away."""
+
+
+class SslSource(Protocol):
+    """What the client needs of its TLS settings (``TlsFiles``)."""
+
+    def ssl_context(self) -> ssl.SSLContext: ...
 
 
 @dataclass(frozen=True)
@@ -303,7 +309,7 @@ class EtcdClient:
         endpoints: Sequence[str],
         *,
         timeout: float = 5.0,
-        tls: TlsFiles | None = None,
+        tls: SslSource | None = None,
         user: str | None = None,
         password: str | None = None,
         retry_window: float | None = 0.0,
@@ -623,7 +629,7 @@ class EtcdClient:
         """Revoke the lease, deleting every key bound to it."""
         await self.call("/v3/lease/revoke", {"ID": str(lease_id)})
 
-    # what the client learnt about each member (watches follow it, see etcd_watch)
+    # what the client learnt about each member (watches follow it, see watch.py)
 
     @property
     def preferred(self) -> str:

@@ -31,10 +31,10 @@ from supervisor.core.partition import (
     parse_peer_status,
     peers_to_ask,
 )
-from supervisor.rendezvous.decode import Join, Summary, decode, peer_health_url
-from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
-from supervisor.rendezvous.etcd_state import Keys
-from supervisor.rendezvous.summary import summary_prefix
+from supervisor.rendezvous.etcd.keys import Keys
+from supervisor.rendezvous.etcd.summary import summary_prefix
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdError
+from supervisor.rendezvous.etcd.wire.decode import Join, Summary, decode, peer_health_url
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class CutoffCheck:
 
     async def learn_all(self, members: Sequence[str], round_: int) -> None:
         """Read the health URLs of every one of ``members`` (of round ``round_``) not known
-        yet, for the lost-peer check (``etcd_peers``): two reads in all, the job's status
+        yet, for the lost-peer check (``peers``): two reads in all, the job's status
         summaries and the round's join keys, each URL kept only if it is on the address
         the peer joined with (as ``_peer_url``). Unbounded: the caller bounds it; an etcd
         error leaves them unknown."""

@@ -1,6 +1,6 @@
 """etcd watches that cannot go blind, and the prefix views built on them.
 
-A watch stream (``etcd_stream``) is one streaming ``POST /v3/watch`` to one member through
+A watch stream (``stream``) is one streaming ``POST /v3/watch`` to one member through
 etcd's JSON gateway. Left alone, such a stream says nothing when its member is cut off,
 has lost its raft leader, or was restarted while the network was down (the old connection
 is then dead on etcd's side only): it simply stays silent. So a ``Watch`` does not depend
@@ -62,7 +62,7 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from supervisor.rendezvous.etcd_client import (
+from supervisor.rendezvous.etcd.wire.client import (
     EtcdClient,
     EtcdCompacted,
     EtcdError,
@@ -73,7 +73,7 @@ from supervisor.rendezvous.etcd_client import (
     _EndpointDown,
     _key_range,
 )
-from supervisor.rendezvous.etcd_stream import (
+from supervisor.rendezvous.etcd.wire.stream import (
     KEEPALIVE_PROBES,
     LEADER_HEADER,
     WatchStream,

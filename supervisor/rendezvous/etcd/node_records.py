@@ -1,6 +1,6 @@
 """Node health facts in etcd: each round's root cause and each node's failure record.
 
-Keys, next to the rendezvous' own (see ``etcd_state``)::
+Keys, next to the rendezvous' own (see ``keys``)::
 
     ctl/cause/N         {"node", "round", "signature", ...}  the first failure of round N
                                                               recorded by any node (a
@@ -21,7 +21,7 @@ name, so a supervisor restarted on the same host finds its record. Clearing a no
 record lets it back in: ``elastic-supervisor node clear --rdzv-endpoint ... --rdzv-id JOB
 NODE`` (or ``etcdctl del /elastic-supervisor/JOB/health/NODE``).
 
-Every value read here goes through the job's one decoder (``rendezvous/decode.py``, rows
+Every value read here goes through the job's one decoder (``rendezvous/etcd/wire/decode.py``, rows
 ``ctl/cause`` and ``health``): a malformed value is counted, logged once and treated as
 absent, never a crash.
 """
@@ -39,16 +39,16 @@ import anyio
 import msgspec
 
 from supervisor.core import nodehealth as nh
-from supervisor.rendezvous import decode
 from supervisor.rendezvous.base import RendezvousError
-from supervisor.rendezvous.etcd_client import (
+from supervisor.rendezvous.etcd.wire import decode
+from supervisor.rendezvous.etcd.wire.client import (
     EtcdClient,
     EtcdError,
     KeyValue,
     compare,
     put_op,
 )
-from supervisor.rendezvous.etcd_watch import open_prefix_view
+from supervisor.rendezvous.etcd.wire.watch import open_prefix_view
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """One etcd watch stream: a streaming ``POST /v3/watch`` to one member, read message by
-message. ``etcd_watch.Watch`` keeps one or two of these open and decides when to leave a
-member; this module only opens, reads and closes (see ``etcd_watch`` for the checks).
+message. ``watch.Watch`` keeps one or two of these open and decides when to leave a
+member; this module only opens, reads and closes (see ``watch`` for the checks).
 
 Opened with ``Grpc-Metadata-hasleader: true``: a member without a raft leader refuses it
 at once (``etcdserver: no leader``) instead of accepting a watch it never feeds. TCP
@@ -18,7 +18,7 @@ import time
 import aiohttp
 import anyio
 
-from supervisor.rendezvous.etcd_client import (
+from supervisor.rendezvous.etcd.wire.client import (
     EtcdClient,
     EtcdCompacted,
     EtcdError,

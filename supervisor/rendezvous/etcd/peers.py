@@ -16,10 +16,10 @@ import anyio
 
 from supervisor.core.peers import PeerAnswer, PeerCheck, judge
 from supervisor.rendezvous.base import RendezvousResult
-from supervisor.rendezvous.etcd_client import EtcdClient, EtcdError
-from supervisor.rendezvous.etcd_cutoff import CutoffCheck
-from supervisor.rendezvous.etcd_state import Keys
-from supervisor.rendezvous.peer_probe import probe_peers
+from supervisor.rendezvous.etcd.cutoff import CutoffCheck
+from supervisor.rendezvous.etcd.keys import Keys
+from supervisor.rendezvous.etcd.peer_probe import probe_peers
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdError
 
 logger = logging.getLogger(__name__)
 

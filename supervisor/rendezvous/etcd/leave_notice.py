@@ -32,7 +32,7 @@ from supervisor.core.leave_notice import (
     parse_notice,
     tells,
 )
-from supervisor.rendezvous.etcd_cutoff import MAX_STATUS, CutoffCheck
+from supervisor.rendezvous.etcd.cutoff import MAX_STATUS, CutoffCheck
 
 logger = logging.getLogger(__name__)
 

@@ -1,18 +1,19 @@
 """The etcd rendezvous leader: while this agent holds ``ctl/leader``, it follows every key
-of the job and carries out ``etcd_state.decide`` (close a round, open the next one, close
-the job). Every other agent only follows ``ctl/``; see ``etcd`` for the protocol."""
+of the job and carries out ``keys.decide`` (close a round, open the next one, close
+the job). Every other agent only follows ``ctl/``; see ``backend`` for the protocol."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
 
 import anyio
 
-from supervisor.rendezvous.etcd_client import EtcdClient
-from supervisor.rendezvous.etcd_lease import LeaseKeeper
-from supervisor.rendezvous.etcd_state import (
+from supervisor.rendezvous.base import RendezvousError
+from supervisor.rendezvous.etcd.agent import Agent
+from supervisor.rendezvous.etcd.keys import (
     Advance,
     Close,
     Keys,
@@ -26,9 +27,12 @@ from supervisor.rendezvous.etcd_state import (
     close_round_txn,
     decide,
 )
-from supervisor.rendezvous.etcd_watch import PrefixView, open_prefix_view
+from supervisor.rendezvous.etcd.lease import LeaseKeeper
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdError, compare
+from supervisor.rendezvous.etcd.wire.watch import PrefixView, open_prefix_view
 
 logger = logging.getLogger(__name__)
+_backend_logger = logging.getLogger("supervisor.rendezvous.etcd")  # campaign's lines
 
 
 class Leader:
@@ -96,3 +100,29 @@ class Leader:
                 await view.wait_revision(result.revision)  # so it does not decide twice
         else:
             await view.refresh()
+
+
+async def campaign(agent: Agent, leader: Leader) -> None:
+    """Hold the leader key when nobody does, and lead while holding it."""
+    assert agent.ctl is not None
+    delay = 0.05
+    while not agent.lease.given_up.is_set() and not agent.left:  # left: no lease
+        seen, holder = agent.ctl.version, agent.state().leader
+        try:
+            if holder is None:
+                await agent.put_held(agent.keys.leader, json.dumps({"node": agent.node_id}),
+                                     [compare(agent.keys.leader, "VERSION", "=", 0)],
+                                     seen_in_view=True)
+                continue
+            if holder.lease == agent.lease.id:
+                await leader.lead()
+                continue
+            await agent.ctl.wait_changed(seen)
+            delay = 0.05
+        except (EtcdError, RendezvousError) as exc:
+            if agent.lease.given_up.is_set() or agent.closed.is_set():
+                return
+            _backend_logger.warning("%s leader duty failed, retrying: %s", agent.config.label,
+                                    exc)
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 2.0)

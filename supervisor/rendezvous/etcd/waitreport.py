@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 REPORT_EVERY = 30.0  # seconds between two lines about one wait
-# how aiohttp and the resolver say a name does not resolve (etcd_client's failure text)
+# how aiohttp and the resolver say a name does not resolve (client's failure text)
 _UNRESOLVED = ("DNSError", "Name or service not known", "name resolution",
                "nodename nor servname", "No address associated")
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 
 from supervisor.rendezvous.base import RendezvousError
-from supervisor.rendezvous.etcd_client import EtcdClient, TlsFiles, prefix_end
+from supervisor.rendezvous.etcd.wire.client import EtcdClient, TlsFiles, prefix_end
 
 logger = logging.getLogger(__name__)
 

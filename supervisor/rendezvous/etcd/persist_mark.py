@@ -1,5 +1,5 @@
 """The persist mark of ``--snapshot-dir`` in the job's etcd (``ctl/persist``, see
-``jobstep_wire``): written by group rank 0 once per interval, followed by every node."""
+``etcd.wire.jobstep``): written by group rank 0 once per interval, followed by every node."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import msgspec
 
 from supervisor.errors import RendezvousError
 from supervisor.rendezvous.base import EtcdService
-from supervisor.rendezvous.decode import decode
-from supervisor.rendezvous.etcd_client import EtcdError
-from supervisor.rendezvous.jobstep_wire import PersistMark
+from supervisor.rendezvous.etcd.wire.client import EtcdError
+from supervisor.rendezvous.etcd.wire.decode import decode
+from supervisor.rendezvous.etcd.wire.jobstep import PersistMark
 
 logger = logging.getLogger(__name__)
 
