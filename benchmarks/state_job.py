@@ -12,7 +12,8 @@ from a generator seeded by (data position, rank), and dropout draws from torch's
 generator, seeded alike on every rank: the state to keep is the model, the optimiser,
 torch's RNG state and the data position, the same on every rank (so ``replicated=True``
 is true of it), and a run resumed from it computes, bit for bit, the losses of a run that
-never failed.
+never failed, at any world size: DDP runs with ``find_unused_parameters=True``, which
+keeps its gradient buckets as built (see ``main``).
 
 Modes:
 
@@ -194,7 +195,11 @@ def main() -> None:
     t0 = time.time()
     step, source = load(args, model, opt)
     rec("restore", step=step, source=source, t0=t0, t1=time.time())
-    ddp = DistributedDataParallel(model)
+    # find_unused_parameters=True: DDP never lays its gradient buckets out again after the
+    # first step. Beyond two ranks gloo's sum depends on an element's place in its bucket,
+    # and a restarted attempt's first step would reduce with the initial layout where the
+    # unbroken run used the rebuilt one (docs/snapshots.md, "Bit for bit under DDP")
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
     while args.steps <= 0 or step < args.steps:
         x = batch(step, rank, w)
         loss = ddp(x).pow(2).mean()

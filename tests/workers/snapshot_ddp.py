@@ -7,7 +7,8 @@ Two ``Linear(32, 32)`` layers with dropout, Adam; the batch of a step is seeded 
 position, rank) and dropout draws from torch's global generator (seeded alike on every
 rank), so the state (model, optimiser, RNG state, data position) is the same on every
 rank and a run resumed from it computes the losses of a run that never failed, bit for
-bit. Every step ends with ``snapshot.save(state, step)`` (``--replicated``: with
+bit, at any world size (DDP keeps one gradient bucket layout: ``find_unused_parameters``).
+Every step ends with ``snapshot.save(state, step)`` (``--replicated``: with
 ``replicated=True``). Prints, flushed:
 
 - ``rank R attempt A pid P world W restored S digest D`` (S = 0: nothing to restore)
@@ -174,7 +175,10 @@ def main() -> None:
             say(f"rank {rank} grown ok {state['grown'].numel()}")
     say(f"{me} pid {os.getpid()} world {dist.get_world_size()} restored {step} "
         f"digest {restored_digest}")
-    ddp = DistributedDataParallel(model)
+    # find_unused_parameters=True: DDP never lays its gradient buckets out again, so every
+    # attempt reduces every step alike (beyond two ranks, gloo's sum depends on the layout:
+    # docs/snapshots.md)
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
     while step < args.steps:
         loss = ddp(batch(step, rank)).pow(2).mean()
         opt.zero_grad()
