@@ -1,6 +1,7 @@
 """Training state kept with ``supervisor.snapshot`` by a real DDP job (torch CPU, gloo, 2
-ranks: ``tests/workers/snapshot_ddp.py``) survives its failures: the restarted job computes,
-bit for bit, the losses of the same job run without a failure under torchrun."""
+ranks, 4 in one test: ``tests/workers/snapshot_ddp.py``) survives its failures: the
+restarted job computes, bit for bit, the losses of the same job run without a failure
+under torchrun."""
 
 from __future__ import annotations
 
