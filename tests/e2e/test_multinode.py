@@ -28,6 +28,7 @@ from aiohttp import web
 
 from tests.support.etcd import EtcdFactory, EtcdMember
 from tests.support.nodes import (
+    ETCD_LEASE_TICK,
     FAST,
     LOCAL,
     SCALE_UP_BOUND,
@@ -219,9 +220,16 @@ async def test_sigkilled_agent_is_dropped_and_survivors_reform_within_lease_ttl(
         victim.sup.signal(signal.SIGKILL)
         after = await job.groups(survivors, 2 * LOCAL, timeout=TTL + 5)
         assert_one_group(after, 2)
-        reformed = max(n.mono("group_started", killed) for n in survivors) - killed
-        print(f"node loss: SIGKILL -> survivors running again in {reformed:.3f} s (ttl {TTL})")
-        assert reformed < TTL + 1
+        # two bounds, each with its own meaning: the loss is seen once the victim's lease
+        # is gone (at most TTL after its last refresh, plus etcd's expiry tick), and the
+        # survivors then run in the new round as after any membership change (the
+        # scale-up bound); one sum of both hid which of them a slow run overran
+        noticed = min(n.mono("membership_changed", killed) for n in survivors)
+        running = max(n.mono("group_started", killed) for n in survivors)
+        print(f"node loss: SIGKILL -> noticed in {noticed - killed:.3f} s (ttl {TTL}), "
+              f"-> survivors running again {running - noticed:.3f} s later")
+        assert noticed - killed < TTL + ETCD_LEASE_TICK
+        assert running - noticed < SCALE_UP_BOUND
         await wait_dead(sorted(orphans), timeout=5)  # the victim's workers died with it
         for node in survivors:
             assert "node(s) lost" in node.events("membership_changed")[-1]["reason"]

@@ -33,6 +33,9 @@ SHOWN = ("RANK,LOCAL_RANK,GROUP_RANK,WORLD_SIZE,GROUP_WORLD_SIZE,MASTER_ADDR,MAS
 # DESIGN/issue 7: running agents restart into the bigger round within 1 s of the join.
 # Measured here (2 cores, 4 daemons + 8 workers + etcd): 0.05-0.2 s, 0.35 s under 2 busy loops.
 SCALE_UP_BOUND = 1.0
+# etcd's lessor revokes expired leases on a 500 ms tick (lessor.go, runLoop): a lease
+# vanishes up to this long after its TTL ran out
+ETCD_LEASE_TICK = 0.5
 
 Env = dict[str, str]
 
