@@ -80,8 +80,11 @@ async def test_every_probe_is_answered_during_a_flood_of_bodiless_leave_notices(
         during = sup.err.lines[logged_before:]
         sup.signal(signal.SIGTERM)
         assert await sup.wait(30) == 143, sup.err.text()  # stopped by SIGTERM
-    # each probe's answer with its seconds: a slow machine shows as slow 200s
-    assert codes == [200] * PROBES, list(zip(codes, took, strict=True))
+    # the failed probes and the answered ones' seconds: a slow machine shows as slow 200s
+    answered = sorted(t for c, t in zip(codes, took, strict=True) if c == 200)
+    assert codes == [200] * PROBES, (
+        f"failed {[(i, c) for i, c in enumerate(codes) if c != 200]}; answered in "
+        f"{answered[len(answered) // 2] if answered else None} s (median), slowest {answered[-3:]}")
     assert opened > 2 * ATTACKERS  # the server kept closing them, and they came back
     notices = {code: value for (name, labels), value in samples.items()
                if name == "elastic_supervisor_http_requests_total"
