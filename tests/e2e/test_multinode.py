@@ -199,7 +199,9 @@ async def test_fourth_node_joins_and_every_agent_restarts_into_a_four_node_round
             (change,) = node.events("membership_changed")
             assert "waiting to join" in change["reason"]
             assert not node.events("restart_scheduled")  # no budget used
-        assert max(restarted) < SCALE_UP_BOUND
+        # from the join seen to the bigger round running: the joiner's own start (its
+        # interpreter, its lease) is not the running agents' to answer for
+        assert max(restarted) - min(noticed) < SCALE_UP_BOUND
         await stop_all(job.nodes)
 
 
