@@ -67,6 +67,7 @@ PIPE_SIZE = 1024 * 1024  # what a pipe holds while its pump pauses (F_SETPIPE_SZ
 COALESCE = 0.01  # seconds a pump pauses after a burst: caps wakeups, not throughput
 MAX_READS = 32  # reads per burst before yielding, so one flood cannot starve the loop
 DRAIN_TIMEOUT = 2.0  # seconds to wait for EOF once an attempt's workers are dead
+DRAIN_MAX = 30.0  # the wait ends then even while a descendant keeps writing
 STOP_TIMEOUT = 1.0  # then seconds to write out what was read before giving up
 _F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 
@@ -365,6 +366,7 @@ class Pump:
     _waiting: anyio.CancelScope | None = None
     _stopping: bool = False
     _eof: bool = False
+    moved: int = 0  # bytes read and shown so far: a drain waits on while this grows
 
     async def run(self) -> None:
         """Copy until EOF (or a stop request), then flush the last partial line."""
@@ -405,6 +407,7 @@ class Pump:
             if not chunk:
                 self._eof = True
                 return
+            self.moved += len(chunk)
             self.file.write(chunk)
             if self.progress is not None and self.progress.feed(chunk):
                 self.progress = None  # the first match is all that is needed per attempt
@@ -429,7 +432,9 @@ class Pump:
             matched = matching_lines(pieces, self.needles, self.prefix)
             if matched:
                 self.filtered.write(matched)
-        await self.console.write(render(pieces, self.prefix))
+        block = render(pieces, self.prefix)
+        await self.console.write(block)
+        self.moved += len(block)
 
 
 # ------------------------------------------------------------------ the plan
@@ -633,8 +638,10 @@ class OutputPlan:
             self._filtered.pop(key).close()
 
     async def _finish(self, pumps: list[Pump], timeout: float = DRAIN_TIMEOUT) -> None:
-        """EOF within ``timeout``, else stop reading; give up on a stuck console last."""
-        if not await _all_done(pumps, timeout):
+        """EOF within ``timeout`` of the last byte moved (a slow console is no reason to
+        cut the workers' last lines; at most DRAIN_MAX in all), else stop reading; give up
+        on a stuck console last."""
+        if not await _drained(pumps, timeout):
             stuck = [p.label for p in pumps if not p.done.is_set()]
             logger.warning("output still open %.1f s after the workers ended (a descendant "
                            "holds it?): closing %s", timeout, ", ".join(stuck))
@@ -646,6 +653,19 @@ class OutputPlan:
                     pump.scope.cancel()
                 await _all_done(pumps, STOP_TIMEOUT)
         self._pumps = [p for p in self._pumps if p not in pumps]
+
+
+async def _drained(pumps: Sequence[Pump], idle: float) -> bool:
+    """Whether every pump reached EOF, waiting while any of them still moves bytes: until
+    none has moved any for ``idle`` s (a descendant holds the pipe open, or the console
+    takes nothing), at most DRAIN_MAX s."""
+    deadline = anyio.current_time() + DRAIN_MAX
+    while True:
+        moved = sum(p.moved for p in pumps)
+        if await _all_done(pumps, min(idle, max(deadline - anyio.current_time(), 0))):
+            return True
+        if sum(p.moved for p in pumps) == moved or anyio.current_time() >= deadline:
+            return False
 
 
 async def _all_done(pumps: Sequence[Pump], timeout: float) -> bool:

@@ -24,6 +24,12 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from supervisor import snapshot
 
 
+def say(text: str) -> None:
+    """One write per line: ranks share the console, and under ``-u`` print() writes the
+    text and its newline apart, so lines of two ranks could interleave."""
+    os.write(1, (text + "\n").encode())
+
+
 def state(mesh: object, step: int) -> dict[str, object]:
     full = torch.arange(32, dtype=torch.float32).reshape(8, 4) + step
     return {"w": distribute_tensor(full, mesh, [Shard(0)]),  # type: ignore[arg-type]
@@ -37,8 +43,8 @@ def main() -> int:
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     reader = snapshot.Reader()
-    print(f"rank {rank} attempt {attempt} restored "
-          f"{'none' if reader.step is None else reader.step}", flush=True)
+    say(f"rank {rank} attempt {attempt} restored "
+          f"{'none' if reader.step is None else reader.step}")
     start = 0
     if reader.step is not None:
         loaded = state(mesh, -1000)
@@ -47,12 +53,12 @@ def main() -> int:
         assert torch.equal(loaded["w"].to_local(), want["w"].to_local())  # type: ignore[attr-defined]
         assert torch.equal(loaded["b"], want["b"])  # type: ignore[arg-type]
         assert loaded["extra"] == {"step": reader.step}, loaded["extra"]
-        print(f"rank {rank} dcp ok {reader.step}", flush=True)
+        say(f"rank {rank} dcp ok {reader.step}")
         start = reader.step + 1
     for step in range(start, start + steps):
         writer = snapshot.Writer(step=step)
         dcp.save(state(mesh, step), storage_writer=writer)
-        print(f"rank {rank} saved {step} {writer.kept}", flush=True)
+        say(f"rank {rank} saved {step} {writer.kept}")
     snapshot.Reader()  # loads, so returns once this rank's last save is complete
     dist.barrier()  # so rank 1's crash comes after every rank's last save is complete
     dist.destroy_process_group()

@@ -48,7 +48,9 @@ def parse() -> argparse.Namespace:
 
 
 def say(text: str) -> None:
-    print(text, flush=True)
+    """One write per line: ranks share the console, and under ``-u`` print() writes the
+    text and its newline apart, so lines of two ranks could interleave."""
+    os.write(1, (text + "\n").encode())
 
 
 def digest(value: object, sha: Any = None) -> str:

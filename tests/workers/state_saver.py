@@ -33,6 +33,12 @@ from typing import Any
 from supervisor import snapshot
 
 
+def say(text: str) -> None:
+    """One write per line: ranks share the console, and under ``-u`` print() writes the
+    text and its newline apart, so lines of two ranks could interleave."""
+    os.write(1, (text + "\n").encode())
+
+
 def plain(rank: int, step: int, extra: int) -> dict[str, Any]:
     return {"rank": rank, "step": step, "nested": {"list": [1, 2.5, "x", None, True],
                                                    "tuple": (step, "t")},
@@ -84,7 +90,7 @@ def save_bad(kind: str) -> int:
     try:
         snapshot.save({"w": tensor}, 1)
     except snapshot.SnapshotError as exc:
-        print(f"refused: {exc}", flush=True)
+        say(f"refused: {exc}")
         return 0
     return 1
 
@@ -107,11 +113,10 @@ def main() -> int:
     first, second = snapshot.load(), snapshot.load()
     assert (first is None) == (second is None) and (first is None or first[0] == second[0])
     restored = None if first is None else first[0]
-    print(f"rank {rank} attempt {attempt} restored {restored if first else 'none'}",
-          flush=True)
+    say(f"rank {rank} attempt {attempt} restored {restored if first else 'none'}")
     if first is not None and args.tensors:
         check(first[1], first[0])
-        print(f"rank {rank} tensors ok", flush=True)
+        say(f"rank {rank} tensors ok")
     elif first is not None:
         (args.out / f"restored_{rank}_{attempt}.json").write_text(
             json.dumps(first[1], default=repr))
@@ -123,10 +128,9 @@ def main() -> int:
             for value in state.values():  # the copy was taken: this must not show
                 if hasattr(value, "data") and value.numel():
                     value.data.fill_(-1)
-        print(f"rank {rank} attempt {attempt} saved {step} {kept}", flush=True)
+        say(f"rank {rank} attempt {attempt} saved {step} {kept}")
     if args.again:
-        print(f"rank {rank} again {snapshot.save({'x': 1}, start + args.steps - 1)}",
-              flush=True)
+        say(f"rank {rank} again {snapshot.save({'x': 1}, start + args.steps - 1)}")
     snapshot.load()  # returns once this rank's last save is complete (its commit told)
     (args.out / f"done_{rank}_{attempt}").touch()
     if attempt == 0 and rank == args.crash_rank:
@@ -137,7 +141,7 @@ def main() -> int:
             time.sleep(0.02)  # its own pace: the test waits on output lines, not this
         return 3
     if args.hold:
-        print(f"rank {rank} holding", flush=True)
+        say(f"rank {rank} holding")
         while not (args.out / "go").exists():
             time.sleep(0.05)  # its own pace: the test waits on the line above, not this
     return 0

@@ -20,12 +20,18 @@ CRASH = int(sys.argv[sys.argv.index("--crash-rank") + 1]) if "--crash-rank" in s
 rank, attempt = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 
 
+def say(text: str) -> None:
+    """One write per line: ranks share the console, and under ``-u`` print() writes the
+    text and its newline apart, so lines of two ranks could interleave."""
+    os.write(1, (text + "\n").encode())
+
+
 def log(event: str, t: float) -> None:
     with open(LOG, "a") as f:
         f.write(json.dumps({"rank": rank, "attempt": attempt, "event": event, "t": t}) + "\n")
 
 
-print(f"rank {rank} starting", flush=True)  # not progress: nothing trains yet
+say(f"rank {rank} starting")  # not progress: nothing trains yet
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -37,7 +43,7 @@ for step in range(STEPS):
     value /= dist.get_world_size()
     if step == 0:
         log("step", time.time())
-    print(f"step {step} loss {float(value.sum()):.3f}", flush=True)
+    say(f"step {step} loss {float(value.sum()):.3f}")
     if rank == CRASH and attempt == 0 and step == 2:
         log("crash", time.time())
         os._exit(3)
