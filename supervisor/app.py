@@ -10,9 +10,6 @@ after that.
 from __future__ import annotations
 
 import faulthandler
-import functools
-import gc
-import importlib
 import logging
 import os
 import shutil
@@ -39,16 +36,18 @@ from supervisor.controller import (
     Controller,
     CpusFor,
     ForwardSignal,
+    Inbox,
+    InboxItem,
     Observer,
     Outbox,
     ReopenLogs,
-    SnapshotHub,
+    StatusHub,
     restart_policy,
 )
 from supervisor.core import state as sm
 from supervisor.core.envs import default_omp_threads, interpreter, standby_python
 from supervisor.core.slots import Restore
-from supervisor.core.snapshot import ProgressTable, Snapshot
+from supervisor.core.statusview import ProgressTable
 from supervisor.core.warm import attempt_may_follow
 from supervisor.discovery import announce, local_url
 from supervisor.events import EventLog
@@ -77,8 +76,10 @@ from supervisor.rendezvous.registry import (
     conf_barrier_timeout,
     make_rendezvous,
 )
+from supervisor.serving import Serving, freeze_when_launched, serve_when_launched
 from supervisor.snapshot import ENV_VAR as SNAPSHOT_ENV
 from supervisor.snapshots.channel import Sender
+from supervisor.snapshots.persist import SnapshotDir
 from supervisor.snapshots.service import SnapshotService, build_snapshots, open_snapshot_dir
 from supervisor.systemd import (
     NOTIFY_ENV_VARS,
@@ -160,6 +161,42 @@ async def supervise(
     host's other children are not ours to sweep) and does not talk to systemd.
     ``command`` and ``cpus`` override how each rank's command line and CPU binding are made.
     """
+    plan = check_start(settings, environ, command=command, cpus=cpus)  # exit 2, nothing made
+    hooks = Hooks()  # for what reports before those it reports to exist (below)
+    outside = await reach_outside(plan, environ, hooks, embedded=embedded)
+    daemon: Daemon | None = None
+    try:
+        daemon = wire(plan, outside, environ, hooks, command=command, embedded=embedded)
+        announce_start(daemon)
+        async with anyio.create_task_group() as tg:
+            await start_tasks(tg, daemon)
+            result = await daemon.controller.run(daemon.inbox, daemon.outbox)
+            await wind_down(daemon)
+            tg.cancel_scope.cancel()
+    finally:
+        await close(outside, daemon)
+    return result
+
+
+# ------------------------------------------------------------------ start-up
+
+
+class Plan(msgspec.Struct, frozen=True):
+    """What the start-up checks settled, before anything is opened or joined."""
+
+    settings: Settings
+    hang_dump: HangDump
+    cpus: CpusFor | None  # None: no binding
+    output: OutputPlan
+    run_id: str
+    log_root: Path
+    event_log: Path
+
+
+def check_start(settings: Settings, environ: Mapping[str, str], *,
+                command: CommandFor | None, cpus: CpusFor | None) -> Plan:
+    """The checks of what the outside world can refuse that open nothing: one line and
+    exit 2 each (``ConfigError``). Only the log root is made (``forget_log_root``)."""
     if command is None:
         check_runnable(settings, environ)
     check_node_check(settings, environ)
@@ -175,9 +212,55 @@ async def supervise(
     run_id = resolve_run_id(settings)
     log_root = make_log_root(settings)
     event_log = Path(settings.event_log or log_root / run_id / "events.jsonl")
+    return Plan(settings, hang_dump, cpus, output, run_id, log_root, event_log)
+
+
+class Hooks:
+    """The two reports that reach parts made after their sender: the rendezvous (made
+    before the event log, as it must connect first) reports etcd outages, and goodput,
+    healing and the snapshot service (made before the read model that shows them) say
+    that what it shows changed. ``connect`` is called once both exist, before any task
+    runs, which is the first that can report."""
+
+    def __init__(self) -> None:
+        self._events: EventLog | None = None
+        self._view: ReadModel | None = None
+
+    def connect(self, events: EventLog, view: ReadModel) -> None:
+        self._events, self._view = events, view
+
+    def etcd_event(self, kind: str, **fields: Any) -> None:
+        """An etcd outage, its end, a replaced lease: logged and shown in /status."""
+        assert self._events is not None
+        self._events.emit(kind, **fields)
+        self.changed()
+
+    def changed(self) -> None:
+        """What the read model shows changed outside a transition: publish it again."""
+        assert self._view is not None
+        self._view.publish()
+
+
+class Outside(msgspec.Struct, frozen=True):
+    """What was opened or joined outside this process: closed by ``close``."""
+
+    settings: Settings  # with the barrier timeout the backend's configuration gives
+    runtime: RuntimeDir
+    timer_file: Path | None
+    snapshot_disk: SnapshotDir | None
+    sock: socket.socket | None
+    rendezvous: Rendezvous
+
+
+async def reach_outside(plan: Plan, environ: Mapping[str, str], hooks: Hooks, *,
+                        embedded: bool) -> Outside:
+    """The run's directories, the health socket and the rendezvous: a refusal is one line
+    and exit 2 (a stop signal meanwhile, ``StoppedBeforeStart``), and leaves nothing."""
+    settings, log_root, run_id = plan.settings, plan.log_root, plan.run_id
     try:
         check_run_dir(log_root, run_id)
-        check_event_log(event_log, "event_log" if settings.event_log else "log_dir", log_root)
+        check_event_log(plan.event_log, "event_log" if settings.event_log else "log_dir",
+                        log_root)
         runtime = RuntimeDir.create(environ)  # before the rendezvous: a c10d host's etcd data
     except BaseException:
         forget_log_root(settings, log_root, run_id)
@@ -185,15 +268,6 @@ async def supervise(
     timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
     sock: socket.socket | None = None
     rendezvous: Rendezvous | None = None
-    events: EventLog  # both made below, before any task runs (the hook's only callers)
-    view: ReadModel  # it reads the goodput ledger, which asks it to publish
-
-    def on_etcd_event(kind: str, **fields: Any) -> None:
-        """An etcd outage, its end, a replaced lease: logged and shown in /status. Only
-        the rendezvous's tasks call it (connect() reports nothing), started below."""
-        events.emit(kind, **fields)
-        view.publish()
-
     try:
         if timer_file is not None:
             check_timer_file(timer_file)
@@ -201,7 +275,7 @@ async def supervise(
         # bound before anything joins a rendezvous: a busy or unusable port ends the start
         # here, with one line, instead of after this node was counted in by the others
         sock = None if settings.no_health else open_health_socket(settings)
-        rendezvous = make_rendezvous(settings, run_id, runtime.path, on_event=on_etcd_event)
+        rendezvous = make_rendezvous(settings, run_id, runtime.path, on_event=hooks.etcd_event)
         settings = conf_barrier_timeout(settings, rendezvous)
         await connect_rendezvous(rendezvous, handle_signals=not embedded)
     except BaseException:
@@ -213,79 +287,114 @@ async def supervise(
         runtime.cleanup()
         forget_log_root(settings, log_root, run_id)
         raise
-    events = EventLog(event_log, run_id, root=log_root)
-    etcd = rendezvous.etcd_service()
+    return Outside(settings, runtime, timer_file, snapshot_disk, sock, rendezvous)
+
+
+class Daemon(msgspec.Struct, frozen=True):
+    """Every part of the running supervisor, made by ``wire``."""
+
+    settings: Settings
+    run_id: str
+    log_root: Path
+    embedded: bool
+    outside: Outside
+    events: EventLog
+    notifier: Notifier
+    reporter: StatusReporter
+    lag: LoopLag
+    output: OutputPlan
+    progress: ProgressTable
+    snapshots: SnapshotService | None
+    guardian: Guardian
+    pool: Pool
+    group: WorkerGroup
+    goodput: GoodputRecorder
+    view: ReadModel
+    controller: Controller
+    owners: OwnerCache
+    watchdog: Watchdog | None
+    dstate: DStateMonitor
+    serving: Serving | None
+    inbox: Inbox
+    outbox: Outbox
+
+    @property
+    def rendezvous(self) -> Rendezvous:
+        return self.outside.rendezvous
+
+
+def wire(plan: Plan, outside: Outside, environ: Mapping[str, str], hooks: Hooks, *,
+         command: CommandFor | None, embedded: bool) -> Daemon:
+    """Make every part, each handed what it uses; nothing runs yet."""
+    settings, run_id, output = outside.settings, plan.run_id, plan.output
+    rendezvous = outside.rendezvous
+    events = EventLog(plan.event_log, run_id, root=plan.log_root)
     notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
-    reporter = StatusReporter(notifier)
     lag = LoopLag()
     lag.add_listener(lambda stall: events.emit("loop_stall", **stall.fields()))
     output.loss.listeners.append(lambda name, fields: events.emit(name, **fields))
     progress = ProgressTable()
+    # a line matching --progress-pattern is progress when a rank posts no deadlines
+    output.on_progress_line = lambda local_rank: progress.touch_output(local_rank,
+                                                                       time.monotonic())
     if not embedded:
         set_child_subreaper()
-    controller: Controller  # made below; the snapshot socket asks it who a pid is
-
-    def identify(pid: int) -> Sender | None:
-        return identify_worker(controller, pid)
+    outbox, inbox = anyio.create_memory_object_stream[InboxItem](max_buffer_size=4096)
+    group: WorkerGroup  # made below; the snapshot socket asks it who a pid is
+    goodput: GoodputRecorder  # made below; a restore is a goodput phase
+    controller: Controller  # made below; the restore step is agreed by its round's nodes
 
     def restored(restore: Restore | None) -> None:
-        if restore is None:
-            return
-        events.emit("snapshot_restored", step=restore.step, source=restore.source,
-                    newest=restore.newest, replicated=restore.replicated)
-        goodput.on_restored(restore.step, restore.newest, restore.saved_at, restore.source)
+        if restore is not None:
+            events.emit("snapshot_restored", step=restore.step, source=restore.source,
+                        newest=restore.newest, replicated=restore.replicated)
+            goodput.on_restored(restore.step, restore.newest, restore.saved_at,
+                                restore.source)
 
     snapshots = build_snapshots(
         settings, coordinates_nodes=rendezvous.capabilities.coordinates_nodes,
-        runtime_dir=runtime.path, progress=progress, identify=identify,
-        changed=lambda: view.publish(), on_restore=restored,
-        placement=lambda: controller.round, disk=snapshot_disk)
+        runtime_dir=outside.runtime.path, progress=progress,
+        identify=lambda pid: identify_worker(group, pid), changed=hooks.changed,
+        on_restore=restored, placement=lambda: controller.round, disk=outside.snapshot_disk)
+    etcd = rendezvous.etcd_service()
     if snapshots is not None and etcd is not None:  # told when this node joins a round
         etcd.snapshot_report = snapshots.report
         snapshots.marks = PersistMarks(etcd)  # the steps every node persists
     cookie = uuid.uuid4().hex
-    # the guardian also removes the runtime directory and the snapshot regions if we die
-    # (a SIGKILL skips every cleanup)
-    guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None,
-                        also_remove=[snapshots.regions.directory] if snapshots else [])
-    # a line matching --progress-pattern is progress when a rank posts no deadlines
-    output.on_progress_line = lambda local_rank: progress.touch_output(local_rank,
-                                                                       time.monotonic())
-    send, receive = anyio.create_memory_object_stream[sm.Event | ForwardSignal | ReopenLogs](
-        max_buffer_size=4096
-    )
+    guardian = make_guardian(cookie, outside.runtime, snapshots)
     death = DeathSignal()
     pool = make_pool(settings, rendezvous, environ, death, progress, guardian,
-                     fork_server=not embedded, run_dir=log_root / run_id)
+                     fork_server=not embedded, run_dir=plan.log_root / run_id)
     base_env = worker_base_env(environ, settings.local_world_size, cookie)
     if snapshots is not None:  # the only variable of ours a worker gets
         base_env[SNAPSHOT_ENV] = str(snapshots.socket_path)
+    timer_file = str(outside.timer_file) if outside.timer_file else None
     group = WorkerGroup(
-        settings, run_id=run_id, events=events, log_root=log_root, output=output,
-        environ=base_env,
-        timer_file=str(timer_file) if timer_file else None, post=send.send_nowait,
+        settings, run_id=run_id, events=events, log_root=plan.log_root, output=output,
+        environ=base_env, timer_file=timer_file, post=outbox.send_nowait,
         death=death, pool=pool, guardian=guardian,
         exempt_pids=[guardian.pid, *rendezvous.extra_pids()],
-        sweep_adopted=not embedded, command=command, cpus=cpus,
+        sweep_adopted=not embedded, command=command, cpus=plan.cpus,
     )
     policy = restart_policy(settings)
-    healing = make_healing(settings, rendezvous, events, base_env, run_id, log_root,
-                           launcher=CheckLauncher(death, guardian),
-                           changed=lambda: view.publish())
+    healing = make_healing(settings, rendezvous, events, base_env, run_id, plan.log_root,
+                           launcher=CheckLauncher(death, guardian), changed=hooks.changed)
     goodput = GoodputRecorder(
         events, progress, started=time.monotonic(), bound=settings.progress_timeout,
-        republish=lambda: view.publish(), shown=group.shown_attempt,
+        republish=hooks.changed, shown=group.shown_attempt,
     )
+    sock = outside.sock
     view = ReadModel(
         settings, run_id=run_id, backend=rendezvous.backend, group=group, policy=policy,
-        events=events, output=output, timer_file=str(timer_file) if timer_file else None,
+        events=events, output=output, timer_file=timer_file,
         health_port=sock.getsockname()[1] if sock is not None else None, goodput=goodput,
         service_status=etcd.outage_status if etcd is not None else None,
         members_checked=rendezvous.capabilities.coordinates_nodes or settings.max_nodes == 1,
         node_health=healing,
         snapshots=snapshots.status if snapshots is not None else None,
     )
-    hub = view.hub
+    hooks.connect(events, view)
+    reporter = StatusReporter(notifier)
     observers: list[Observer] = [_StopNotice(reporter), goodput]
     if snapshots is not None:  # before the launch it observes: the restore step first
         observers.insert(0, snapshots)
@@ -295,76 +404,124 @@ async def supervise(
         stop_guard=lambda: extending_timeout(notifier), healing=healing,
         late_observer=sock is not None,  # the metrics, attached by serve_when_launched
     )
+    owners = OwnerCache(controller.live_worker_ranks)  # whose deadline requests are whose
+    watchdog = None if outside.timer_file is None else make_watchdog(
+        settings, outside.timer_file, plan.hang_dump, owners, progress, group, outbox)
+    # health signals run whether or not the deadline FIFO does (--no-watchdog)
+    dstate = DStateMonitor(controller.live_worker_ranks, outbox.send,
+                           hang_state_timeout=settings.hang_state_timeout)
+    controller.attach(_WatchdogHooks(watchdog, dstate))
+    serving = None if sock is None else Serving(
+        sock=sock, launched=controller.launched, started=controller.started,
+        attach=controller.attach_late, hub=view.hub, progress=progress, lag=lag,
+        watchdog=watchdog, goodput=goodput, events=events, output=output, pool=pool,
+        etcd=etcd, healing=healing, snapshots=snapshots, freeze=not embedded)
+    return Daemon(settings, run_id, plan.log_root, embedded, outside, events, notifier,
+                  reporter, lag, output, progress, snapshots, guardian, pool, group, goodput,
+                  view, controller, owners, watchdog, dstate, serving, inbox, outbox)
+
+
+def make_guardian(cookie: str, runtime: RuntimeDir, snapshots: SnapshotService | None
+                  ) -> Guardian:
+    """The guardian also removes the runtime directory and the snapshot regions if we die
+    (a SIGKILL skips every cleanup)."""
+    return Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None,
+                    also_remove=[snapshots.regions.directory] if snapshots else [])
+
+
+def announce_start(daemon: Daemon) -> None:
+    """The start-up's last lines: advisories, the loop's priority, ``supervisor_started``."""
+    settings = daemon.settings
     # after the checks: a failed start is one line
     for level, note in (*advisories(settings), *backend_advisories(settings)):
         logger.log(level, "%s", note)
-    if not embedded:  # this thread runs the loop; the spawner (workers) stays at nice 0
+    if not daemon.embedded:  # this thread runs the loop; the spawner (workers) stays at nice 0
         priority = raise_loop_priority(settings.loop_nice)  # /healthz ahead of a restart
         logger.log(logging.DEBUG if settings.loop_nice == 0 else logging.INFO, "%s",
                    describe_priority(priority))
-    events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
-                local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
-    logger.info("run %s: logs under %s", run_id, log_root / run_id)
-    owners = OwnerCache(controller.live_worker_ranks)  # whose deadline requests are whose
-    try:
-        async with anyio.create_task_group() as tg:
-            if not embedded:
-                await tg.start(deliver_signals, send)
-            await tg.start(run_watchdog_pings, notifier)
-            await tg.start(output.run)
-            await pool.start_tasks(tg)
-            pool.warm_up(group.preview())  # the fork server imports while we rendezvous
-            await tg.start(rendezvous.run)
-            await tg.start(lag.run)
-            await tg.start(events.retry_pending)
-            await tg.start(guardian.run)
-            await tg.start(goodput.run)
-            if snapshots is not None:
-                await tg.start(snapshots.run)
-            watchdog = None
-            health_url: str | None = None
-            if timer_file is not None:
-                watchdog = await start_watchdog(
-                    tg, settings, controller, timer_file, send, hang_dump, owners
-                )
-            # health signals run whether or not the deadline FIFO does (--no-watchdog)
-            dstate = await start_health_signals(tg, settings, controller, send)
-            controller.attach(_WatchdogHooks(watchdog, dstate))
-            if sock is not None:
-                port = sock.getsockname()[1]
-                announce(runtime.path, local_url(settings.health_host, port), run_id)  # status
-                logger.info("health endpoint on http://%s:%d", settings.health_host, port)
-                events.emit("health_listening", host=settings.health_host, port=port)
-                tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog, goodput,
-                              hub, not embedded, snapshots)
-                health_url = f"http://{advertised_host(settings, rendezvous)}:{port}"
-            elif not embedded:
-                tg.start_soon(freeze_when_launched, controller)
-            start_summaries(tg, rendezvous, hub, health_url)
-            tg.start_soon(publish_status, hub, reporter)
-            result = await controller.run(receive, send)
-            if snapshots is not None:  # the workers are stopped: the newest step to disk
-                await snapshots.finish(settings.shutdown_timeout)
-            reporter.publish(hub.current)
-            await _close_rendezvous(rendezvous, controller.state)
-            if controller.state.phase is sm.Phase.QUARANTINED:  # a c10d host serves on
-                await rendezvous.serve_until_job_ends()
-            tg.cancel_scope.cancel()
-    finally:
-        if sock is not None:
-            sock.close()  # served or not: a start that failed later must not leak it
-        send.close()  # an embedded run must leave no unclosed streams (ResourceWarning)
-        receive.close()
-        with anyio.CancelScope(shield=True):
-            await rendezvous.aclose()
-        if snapshots is not None:
-            snapshots.close()  # the regions: never left behind
-        guardian.close()
-        owners.close()
-        events.close()
-        notifier.close()
-        runtime.cleanup()
-    return result
+    daemon.events.emit("supervisor_started", pid=os.getpid(), log_dir=str(daemon.log_root),
+                       local_world_size=settings.local_world_size,
+                       backend=settings.rdzv_backend)
+    logger.info("run %s: logs under %s", daemon.run_id, daemon.log_root / daemon.run_id)
+
+
+# ------------------------------------------------------------------ serve
+
+
+async def start_tasks(tg: TaskGroup, daemon: Daemon) -> None:
+    """Every long-lived task, each started only once the one before it is ready: signal
+    handlers before any worker exists, the FIFO open before the first launch."""
+    d = daemon
+    if not d.embedded:
+        await tg.start(deliver_signals, d.outbox)
+    await tg.start(run_watchdog_pings, d.notifier)
+    await tg.start(d.output.run)
+    await d.pool.start_tasks(tg)
+    d.pool.warm_up(d.group.preview())  # the fork server imports while we rendezvous
+    await tg.start(d.rendezvous.run)
+    await tg.start(d.lag.run)
+    await tg.start(d.events.retry_pending)
+    await tg.start(d.guardian.run)
+    await tg.start(d.goodput.run)
+    if d.snapshots is not None:
+        await tg.start(d.snapshots.run)
+    if d.watchdog is not None:
+        path = await tg.start(d.watchdog.run)
+        logger.info("deadline FIFO at %s", path)
+    await tg.start(d.dstate.run)
+    health_url = start_serving(tg, d)
+    start_summaries(tg, d.rendezvous, d.view.hub, health_url)
+    tg.start_soon(publish_status, d.view.hub, d.reporter)
+
+
+def start_serving(tg: TaskGroup, daemon: Daemon) -> str | None:
+    """The health endpoint (served once the first group is launched); its URL for peers."""
+    settings, serving = daemon.settings, daemon.serving
+    if serving is None:
+        if not daemon.embedded:
+            tg.start_soon(freeze_when_launched, daemon.controller.launched)
+        return None
+    port = serving.sock.getsockname()[1]
+    announce(daemon.outside.runtime.path, local_url(settings.health_host, port),
+             daemon.run_id)  # for the status command
+    logger.info("health endpoint on http://%s:%d", settings.health_host, port)
+    daemon.events.emit("health_listening", host=settings.health_host, port=port)
+    tg.start_soon(serve_when_launched, tg, serving)
+    return f"http://{advertised_host(settings, daemon.rendezvous)}:{port}"
+
+
+# ------------------------------------------------------------------ shut down
+
+
+async def wind_down(daemon: Daemon) -> None:
+    """After the controller's last transition: the newest snapshot to disk, the last
+    STATUS line, and the rendezvous told how this node ended."""
+    if daemon.snapshots is not None:  # the workers are stopped: the newest step to disk
+        await daemon.snapshots.finish(daemon.settings.shutdown_timeout)
+    daemon.reporter.publish(daemon.view.hub.current)
+    state = daemon.controller.state
+    await _close_rendezvous(daemon.rendezvous, state)
+    if state.phase is sm.Phase.QUARANTINED:  # a c10d host serves on
+        await daemon.rendezvous.serve_until_job_ends()
+
+
+async def close(outside: Outside, daemon: Daemon | None) -> None:
+    """Close what was made, whether the run ended or its start failed half-way."""
+    if outside.sock is not None:
+        outside.sock.close()  # served or not: a start that failed later must not leak it
+    if daemon is not None:
+        daemon.outbox.close()  # an embedded run must leave no unclosed streams
+        daemon.inbox.close()
+    with anyio.CancelScope(shield=True):
+        await outside.rendezvous.aclose()
+    if daemon is not None:
+        if daemon.snapshots is not None:
+            daemon.snapshots.close()  # the regions: never left behind
+        daemon.guardian.close()
+        daemon.owners.close()
+        daemon.events.close()
+        daemon.notifier.close()
+    outside.runtime.cleanup()
 
 
 class StoppedBeforeStart(Exception):
@@ -475,7 +632,7 @@ def advertised_host(settings: Settings, rendezvous: Rendezvous) -> str:
 
 
 def start_summaries(
-    tg: TaskGroup, rendezvous: Rendezvous, hub: SnapshotHub, health_url: str | None
+    tg: TaskGroup, rendezvous: Rendezvous, hub: StatusHub, health_url: str | None
 ) -> None:
     """Publish this node's status summary in etcd (the job-wide view of ``status``), for
     every backend that keeps one: etcd, etcd-v2, and c10d in the etcd its host runs."""
@@ -506,114 +663,13 @@ def _timer_file(settings: Settings, runtime_dir: Path) -> Path:
     return runtime_dir / "watchdog" / "timer.fifo"
 
 
-SERVE_DEFER = 0.5  # seconds the health server may wait for the first launch before serving
-HTTP_STACK = ("supervisor.health.metrics", "supervisor.health.server")
-
-
-def import_modules(*names: str) -> None:
-    """Import what serving needs (aiohttp, prometheus-client): run in a thread."""
-    for name in names:
-        importlib.import_module(name)
-
-
-async def serve_when_launched(
-    tg: TaskGroup,
-    controller: Controller,
-    sock: socket.socket,
-    lag: LoopLag,
-    watchdog: Watchdog | None,
-    goodput: GoodputRecorder,
-    hub: SnapshotHub,
-    freeze: bool,
-    snapshots: SnapshotService | None = None,
-) -> None:
-    """Serve HTTP once the first group is launched (or SERVE_DEFER passed, for a long
-    rendezvous): importing aiohttp and prometheus-client costs ~100 ms, which would
-    otherwise delay every worker's start. The socket is already bound and listening.
-    With ``freeze`` (the daemon, not the embedded API) the heap is frozen once serving."""
-    with anyio.move_on_after(SERVE_DEFER):
-        await controller.launched.wait()
-    # imported in a thread: the loop goes on reading the FIFO, pidfds and output meanwhile
-    # (~100 ms here, seconds on a loaded node, which would stamp deadline posts late)
-    etcd = controller.rendezvous.etcd_service()
-    extra = (("supervisor.rendezvous.etcd.metrics",) if etcd is not None else ()) + (
-        ("supervisor.health.healing_metrics",) if controller.healing is not None else ()) + (
-        ("supervisor.health.snapshot_metrics",) if snapshots is not None else ())
-    await anyio.to_thread.run_sync(functools.partial(import_modules, *HTTP_STACK, *extra))
-    from supervisor.health.metrics import Metrics
-    from supervisor.health.server import serve_health
-
-    metrics = Metrics(started=controller.started,
-                      watchdog=watchdog.stats if watchdog is not None else None)
-    controller.attach_late(metrics)
-    if etcd is not None:
-        from supervisor.rendezvous.etcd.metrics import EtcdCollector
-
-        metrics.registry.register(EtcdCollector(etcd))
-    if controller.healing is not None:
-        from supervisor.health.healing_metrics import HealingCollector
-
-        metrics.registry.register(HealingCollector(controller.healing))
-    if snapshots is not None:
-        from supervisor.health.snapshot_metrics import SnapshotCollector
-
-        metrics.registry.register(SnapshotCollector(snapshots))
-    metrics.watch_loop(lag)
-    metrics.watch_event_log(controller.events)
-    metrics.watch_output(controller.output.loss)
-    metrics.watch_warm(controller.group.pool)
-    goodput.attach_metrics(metrics)
-    if freeze:  # before serving: the first scrape already shows it
-        freeze_heap()
-    serve = functools.partial(serve_health, sock=sock,
-                              notices=etcd.notices.receive if etcd is not None else None)
-    await tg.start(
-        serve, "", 0, functools.partial(current_view, hub, snapshots), controller.progress,
-        metrics, lag.current
-    )
-
-
-def current_view(hub: SnapshotHub, snapshots: SnapshotService | None) -> Snapshot:
-    """What HTTP readers see: the last published view, with the snapshot counts of now
-    (a save changes them between two transitions; republishing at every save would wake
-    every reader of the view, the status summaries in etcd among them)."""
-    if snapshots is None:
-        return hub.current
-    return msgspec.structs.replace(hub.current, snapshots=snapshots.status())
-
-
-async def freeze_when_launched(controller: Controller) -> None:
-    """``freeze_heap`` once the first group is launched, for a daemon without HTTP."""
-    with anyio.move_on_after(SERVE_DEFER):
-        await controller.launched.wait()
-    freeze_heap()
-
-
-def freeze_heap() -> None:
-    """Move what start-up left on the heap (modules, settings, the HTTP stack: about 48,000
-    objects) to the collector's permanent generation, as a pre-forking server does: every
-    full collection would otherwise walk them all again, holding the loop 14-68 ms each
-    (measured under issue 29's load on a 2-core machine, two or three per 20 s). No
-    ``gc.collect()`` first: that would hold the loop as long, right after the launch (the
-    start-up's garbage, 34-135 objects when probed, stays). The cost: what is alive then
-    and later dies in a reference cycle is never freed (the first attempt's objects at
-    most, once). A daemon only: the embedded API leaves its host's collector alone."""
-    gc.freeze()  # moves the generations' lists: no walk of the heap
-
-
-async def start_watchdog(
-    tg: TaskGroup,
-    settings: Settings,
-    controller: Controller,
-    timer_file: Path,
-    outbox: Outbox,
-    hang_dump: HangDump,
-    owners: OwnerCache,
-) -> Watchdog:
-    """Open the deadline FIFO; expired deadlines are reported into the inbox."""
+def make_watchdog(settings: Settings, timer_file: Path, hang_dump: HangDump, owners: OwnerCache,
+                  progress: ProgressTable, group: WorkerGroup, outbox: Outbox) -> Watchdog:
+    """The deadline FIFO's reader (opened by its task); expired deadlines are reported
+    into the inbox, a hang dump goes to the current attempt's rank directory."""
 
     def dump_path(local_rank: int, pid: int) -> Path | None:
-        attempt = controller.attempt
+        attempt = group.attempt
         return attempt.directory / str(local_rank) / f"hang-{pid}.txt" if attempt else None
 
     config = WatchdogConfig(
@@ -621,28 +677,8 @@ async def start_watchdog(
         hang_dump=hang_dump,
         dump_path=dump_path,
     )
-    watchdog = Watchdog(
-        timer_file,
-        owner=owners,
-        progress=controller.progress,
-        on_expired=outbox.send,
-        config=config,
-    )
-    path = await tg.start(watchdog.run)
-    logger.info("deadline FIFO at %s", path)
-    return watchdog
-
-
-async def start_health_signals(
-    tg: TaskGroup, settings: Settings, controller: Controller, outbox: Outbox
-) -> DStateMonitor:
-    """Start the checks of the workers' health that need no cooperation from them (a
-    worker stuck in uninterruptible sleep); they report into the inbox."""
-    dstate = DStateMonitor(
-        controller.live_worker_ranks, outbox.send, hang_state_timeout=settings.hang_state_timeout
-    )
-    await tg.start(dstate.run)
-    return dstate
+    return Watchdog(timer_file, owner=owners, progress=progress, on_expired=outbox.send,
+                    config=config)
 
 
 class _WatchdogHooks:
@@ -689,13 +725,13 @@ class RuntimeDir:
             shutil.rmtree(self.path, ignore_errors=True)
 
 
-def identify_worker(controller: Controller, pid: int) -> Sender | None:
+def identify_worker(group: WorkerGroup, pid: int) -> Sender | None:
     """The live worker of the current attempt that is (or owns) ``pid``, with its ranks.
 
     Unlike a deadline, a save's commit counts while the attempt is being stopped: a rank
     that finished copying as a peer crashed completes its step (the step to restore is
     decided only once every worker is reaped)."""
-    attempt = controller.attempt
+    attempt = group.attempt
     if attempt is None:
         return None
     live = {w.pid: w.local_rank for w in attempt.workers if w.status is None}
@@ -717,7 +753,7 @@ def worker_base_env(
     return default_omp_threads(env, local_world_size)
 
 
-async def publish_status(hub: SnapshotHub, reporter: StatusReporter) -> None:
+async def publish_status(hub: StatusHub, reporter: StatusReporter) -> None:
     """Tell systemd each new state (STATUS=, READY=1 after the first launch)."""
     seen = -1
     while True:

@@ -13,7 +13,7 @@ import pytest
 
 from supervisor.app import make_pool
 from supervisor.config import Settings
-from supervisor.core.snapshot import ProgressTable
+from supervisor.core.statusview import ProgressTable
 from supervisor.rendezvous.registry import make_rendezvous
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.spawn import DeathSignal
