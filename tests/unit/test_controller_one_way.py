@@ -122,7 +122,7 @@ def test_serving_and_the_watchdog_are_handed_their_collaborators() -> None:
                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
                and n.value.id == "controller"]
     assert reached == []
-    app = _functions(ast.parse((SUPERVISOR / "app.py").read_text()))
+    app = _functions(ast.parse((SUPERVISOR / "wiring.py").read_text()))
     watchdog = app["make_watchdog"]
     assert isinstance(watchdog, ast.FunctionDef)
     assert "controller" not in {a.arg for a in watchdog.args.args}
