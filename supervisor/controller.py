@@ -202,13 +202,7 @@ class Controller:
                 self.view.publish()
                 self._execute(sm.StartRendezvous())
                 async for item in inbox:
-                    match item:
-                        case ForwardSignal() | ReopenLogs():
-                            self._command(item)
-                        case RoundFormed():
-                            self._apply(item.event, formed=item.result)
-                        case _:
-                            self._apply(item)
+                    self._handle(item)
                     if self.state.phase.final:
                         break
                 tg.cancel_scope.cancel()
@@ -236,23 +230,23 @@ class Controller:
         assert self._send is not None
         self._send.send_nowait(item)
 
+    def _handle(self, item: InboxItem) -> None:
+        match item:
+            case ForwardSignal() | ReopenLogs():
+                self._command(item)
+            case RoundFormed():
+                self._apply(item.event, formed=item.result)
+            case _:
+                self._apply(item)
+
     def _apply(self, event: sm.Event, formed: RendezvousResult | None = None) -> None:
         """One step of the state machine: the only writer of ``state`` (and, through
         ``_label_events``, of the attempt the event log labels its lines with)."""
         old = self.state
-        if sm.is_stale(old, event):  # an earlier attempt's: it can change nothing now
-            self.view.on_stale(event)
+        step = self._transition(old, event)
+        if step is None:
             return
-        try:
-            new, decision = sm.transition(old, event, self.policy)
-        except sm.InvalidTransition as exc:
-            # a bug of ours, never the workers': say so loudly and keep supervising
-            # (raising here would end the run and orphan the group's stop)
-            logger.error("ignoring an event the state machine has no edge for: %s (%r)",
-                         exc, event)
-            self.events.emit("invalid_transition", phase=old.phase.value,
-                             event=type(event).__name__)
-            return
+        new, decision = step
         self.state = new
         if formed is not None:  # the round this transition accepted: shown from now on
             self.round = formed
@@ -261,6 +255,24 @@ class Controller:
         self.audience.tell(lambda observer: observer.on_transition(old, new, event, decision))
         self.view.publish()
         self._execute(decision)
+
+    def _transition(self, old: sm.State, event: sm.Event
+                    ) -> tuple[sm.State, sm.Decision] | None:
+        """The state machine's answer to ``event``; None for an event that changes
+        nothing: an earlier attempt's (counted and dropped) or one with no edge."""
+        if sm.is_stale(old, event):  # an earlier attempt's: it can change nothing now
+            self.view.on_stale(event)
+            return None
+        try:
+            return sm.transition(old, event, self.policy)
+        except sm.InvalidTransition as exc:
+            # a bug of ours, never the workers': say so loudly and keep supervising
+            # (raising here would end the run and orphan the group's stop)
+            logger.error("ignoring an event the state machine has no edge for: %s (%r)",
+                         exc, event)
+            self.events.emit("invalid_transition", phase=old.phase.value,
+                             event=type(event).__name__)
+            return None
 
     def _label_events(self, number: int) -> None:
         """Event-log lines from now on carry attempt ``number`` (as users see it)."""
@@ -424,15 +436,7 @@ class Controller:
             self._launch_failed(decision, exc)
             return
         self._tg.start_soon(group.supervise, attempt, self.membership.watch, self._watch_node)
-        layout = attempt.layout
-        self.events.emit(
-            "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
-            pids={w.local_rank: w.pid for w in attempt.workers},
-            warm=[w.local_rank for w in attempt.workers if w.start.warm] or None,
-            master_addr=layout.master_addr, master_port=layout.master_port,
-            cpus={w.local_rank: list(w.spec.cpus) for w in attempt.workers if w.spec.cpus}
-            or None,
-        )
+        self._emit_group_started(decision, attempt)
         self.audience.tell(lambda observer: observer.on_launch(attempt))
         # reported through the inbox like any event: behind whatever was queued before
         # (a shutdown request then meets the launch in STOPPING, an edge of its own)
@@ -443,6 +447,17 @@ class Controller:
         for local_rank, message in failed_to_start:
             self._post(sm.WorkerFailedToStart(decision.attempt, local_rank, message, now))
         self._launched_once.set()
+
+    def _emit_group_started(self, decision: sm.LaunchGroup, attempt: Attempt) -> None:
+        layout = attempt.layout
+        self.events.emit(
+            "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
+            pids={w.local_rank: w.pid for w in attempt.workers},
+            warm=[w.local_rank for w in attempt.workers if w.start.warm] or None,
+            master_addr=layout.master_addr, master_port=layout.master_port,
+            cpus={w.local_rank: list(w.spec.cpus) for w in attempt.workers if w.spec.cpus}
+            or None,
+        )
 
     async def _watch_node(self, attempt: Attempt) -> None:
         """The node check every interval while this attempt runs."""
