@@ -139,9 +139,9 @@ def announce_start(daemon: Daemon) -> None:
         priority = raise_loop_priority(settings.loop_nice)  # /healthz ahead of a restart
         logger.log(logging.DEBUG if settings.loop_nice == 0 else logging.INFO, "%s",
                    describe_priority(priority))
-    daemon.records.events.emit("supervisor_started", pid=os.getpid(), log_dir=str(daemon.log_root),
-                       local_world_size=settings.local_world_size,
-                       backend=settings.rdzv_backend)
+    daemon.records.events.emit(
+        "supervisor_started", pid=os.getpid(), log_dir=str(daemon.log_root),
+        local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
     logger.info("run %s: logs under %s", daemon.run_id, daemon.log_root / daemon.run_id)
 
 
@@ -157,7 +157,8 @@ async def start_tasks(tg: TaskGroup, daemon: Daemon) -> None:
     await tg.start(run_watchdog_pings, d.records.notifier)
     await tg.start(d.records.output.run)
     await d.workers.pool.start_tasks(tg)
-    d.workers.pool.warm_up(d.workers.group.preview())  # the fork server imports while we rendezvous
+    # the fork server imports while we rendezvous
+    d.workers.pool.warm_up(d.workers.group.preview())
     await tg.start(d.rendezvous.run)
     await tg.start(d.records.lag.run)
     await tg.start(d.records.events.retry_pending)
