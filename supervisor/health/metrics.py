@@ -335,7 +335,7 @@ class Metrics:
 
     def _make_heap_metrics(self) -> None:
         """The collector's full collections and the start-up heap frozen out of its reach
-        (``app.freeze_heap``): a full collection holds the event loop while it runs. Both
+        (``serving.freeze_heap``): a full collection holds the event loop while it runs. Both
         are the process's (shared by the supervisors of one process, under the Python API)."""
 
         def read() -> Iterable[Metric]:
