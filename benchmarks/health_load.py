@@ -145,13 +145,13 @@ async def serve(host: str, port: int) -> None:
     """A stand-alone health server with a static running snapshot, for trying the load."""
     import anyio
 
-    from supervisor.core.snapshot import ProgressTable, Snapshot, WorkerView
+    from supervisor.core.statusview import ProgressTable, StatusView, WorkerView
     from supervisor.health.looplag import LoopLag
     from supervisor.health.metrics import Metrics
     from supervisor.health.server import serve_health
 
     workers = tuple(WorkerView(i, i, None, "running", time.time()) for i in range(4))
-    snap = Snapshot("bench", "running", 1, 0, 3, 3, 4, 4, "default", time.monotonic(),
+    snap = StatusView("bench", "running", 1, 0, 3, 3, 4, 4, "default", time.monotonic(),
                     time.time(), workers=workers)
     lag = LoopLag()
     async with anyio.create_task_group() as tg:

@@ -29,7 +29,7 @@ from supervisor.core.goodput import (
     totals,
 )
 from supervisor.core.health import recovery_json
-from supervisor.core.snapshot import ProgressTable
+from supervisor.core.statusview import ProgressTable
 from supervisor.events import EventLog
 
 logger = logging.getLogger(__name__)

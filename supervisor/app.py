@@ -1,108 +1,63 @@
 """The composition root: one task group, every long-lived task started with ``tg.start``.
 
-Order matters and is visible here: first the start-up checks of everything the outside
-world can refuse (one line and exit 2 each; the health port is bound among them), then
-signal handlers (before any worker exists), the watchdog (FIFO open) and the health
-endpoint, then the controller, which launches the first group; systemd hears READY=1 only
-after that.
+``supervise`` reads as start-up, serve, shut down. Order matters and is visible there:
+first the start-up checks of everything the outside world can refuse (one line and exit
+2 each; the health port is bound and the rendezvous reached among them: ``startup``),
+then every part is made (``wiring``), then signal handlers (before any worker exists),
+the watchdog (FIFO open) and the health endpoint start, then the controller, which
+launches the first group; systemd hears READY=1 only after that.
 """
 
 from __future__ import annotations
 
 import faulthandler
-import functools
-import gc
-import importlib
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
-import time
-import uuid
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.to_thread
-import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
-from supervisor.accounting import GoodputRecorder
 from supervisor.config import ConfigError, Settings, advisories
 from supervisor.controller import (
-    Attempt,
     CommandFor,
-    Controller,
     CpusFor,
     ForwardSignal,
-    Observer,
     Outbox,
     ReopenLogs,
-    SnapshotHub,
-    restart_policy,
+    StatusHub,
 )
 from supervisor.core import state as sm
-from supervisor.core.envs import default_omp_threads, interpreter, standby_python
-from supervisor.core.slots import Restore
-from supervisor.core.snapshot import ProgressTable, Snapshot
-from supervisor.core.warm import attempt_may_follow
 from supervisor.discovery import announce, local_url
-from supervisor.events import EventLog
-from supervisor.healing import make_healing
-from supervisor.health.looplag import LoopLag
 from supervisor.logsetup import configure_logging
-from supervisor.preflight import (
-    check_devices,
-    check_event_log,
-    check_hang_dump,
-    check_master_addr,
-    check_node_check,
-    check_run_dir,
-    check_runnable,
-    check_timer_file,
-    forget_log_root,
-    make_log_root,
-    open_health_socket,
-)
 from supervisor.priority import describe as describe_priority
 from supervisor.priority import raise_loop_priority
 from supervisor.rendezvous.base import Rendezvous, RendezvousError
-from supervisor.rendezvous.etcd.persist_mark import PersistMarks
 from supervisor.rendezvous.registry import (
     backend_advisories,
-    conf_barrier_timeout,
-    make_rendezvous,
 )
-from supervisor.snapshot import ENV_VAR as SNAPSHOT_ENV
-from supervisor.snapshots.channel import Sender
-from supervisor.snapshots.service import SnapshotService, build_snapshots, open_snapshot_dir
+from supervisor.serving import freeze_when_launched, serve_when_launched
+from supervisor.startup import (
+    STOP_SIGNALS,
+    Outside,
+    StoppedBeforeStart,
+    check_start,
+    reach_outside,
+)
 from supervisor.systemd import (
-    NOTIFY_ENV_VARS,
-    Notifier,
     StatusReporter,
-    extending_timeout,
     run_watchdog_pings,
 )
-from supervisor.views import ReadModel, RunResult
-from supervisor.watchdog.dstate import DStateMonitor
-from supervisor.watchdog.escalate import HangDump
-from supervisor.watchdog.owners import OwnerCache, owner_by_ancestry
-from supervisor.watchdog.timers import Watchdog, WatchdogConfig
-from supervisor.workers.group import WorkerGroup
-from supervisor.workers.guardian import COOKIE_ENV, Guardian, set_child_subreaper
-from supervisor.workers.nodecheck import CheckLauncher
-from supervisor.workers.output import OutputPlan, OutputSpecError
-from supervisor.workers.spawn import SPAWNER, DeathSignal
-from supervisor.workers.topology import cpus_for
-from supervisor.workers.warm.base import NullPool, Pool
+from supervisor.views import RunResult
+from supervisor.wiring import Daemon, Hooks, wire
+from supervisor.workers.spawn import SPAWNER
 
 logger = logging.getLogger(__name__)
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT)
 FORWARD_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -138,13 +93,6 @@ def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
 
 
-def resolve_run_id(settings: Settings) -> str:
-    if settings.standalone and settings.rdzv_id == "none":
-        return uuid.uuid4().hex[:12]
-    return settings.rdzv_id
-
-
-
 async def supervise(
     settings: Settings,
     environ: dict[str, str],
@@ -160,308 +108,122 @@ async def supervise(
     host's other children are not ours to sweep) and does not talk to systemd.
     ``command`` and ``cpus`` override how each rank's command line and CPU binding are made.
     """
-    if command is None:
-        check_runnable(settings, environ)
-    check_node_check(settings, environ)
-    check_devices(settings, environ)
-    check_master_addr(settings)
-    hang_dump = check_hang_dump(settings, environ)
-    if cpus is None:
-        cpus = cpus_for(settings)
+    plan = check_start(settings, environ, command=command, cpus=cpus)  # exit 2, nothing made
+    hooks = Hooks()  # for what reports before those it reports to exist (below)
+    outside = await reach_outside(plan, environ, on_etcd_event=hooks.etcd_event,
+                                  embedded=embedded)
+    daemon: Daemon | None = None
     try:
-        output = OutputPlan.from_settings(settings)
-    except OutputSpecError as exc:
-        raise ConfigError(str(exc)) from None
-    run_id = resolve_run_id(settings)
-    log_root = make_log_root(settings)
-    event_log = Path(settings.event_log or log_root / run_id / "events.jsonl")
-    try:
-        check_run_dir(log_root, run_id)
-        check_event_log(event_log, "event_log" if settings.event_log else "log_dir", log_root)
-        runtime = RuntimeDir.create(environ)  # before the rendezvous: a c10d host's etcd data
-    except BaseException:
-        forget_log_root(settings, log_root, run_id)
-        raise
-    timer_file = None if settings.no_watchdog else _timer_file(settings, runtime.path)
-    sock: socket.socket | None = None
-    rendezvous: Rendezvous | None = None
-    events: EventLog  # both made below, before any task runs (the hook's only callers)
-    view: ReadModel  # it reads the goodput ledger, which asks it to publish
-
-    def on_etcd_event(kind: str, **fields: Any) -> None:
-        """An etcd outage, its end, a replaced lease: logged and shown in /status. Only
-        the rendezvous's tasks call it (connect() reports nothing), started below."""
-        events.emit(kind, **fields)
-        view.publish()
-
-    try:
-        if timer_file is not None:
-            check_timer_file(timer_file)
-        snapshot_disk = open_snapshot_dir(settings, run_id)  # owned by us, or exit 2
-        # bound before anything joins a rendezvous: a busy or unusable port ends the start
-        # here, with one line, instead of after this node was counted in by the others
-        sock = None if settings.no_health else open_health_socket(settings)
-        rendezvous = make_rendezvous(settings, run_id, runtime.path, on_event=on_etcd_event)
-        settings = conf_barrier_timeout(settings, rendezvous)
-        await connect_rendezvous(rendezvous, handle_signals=not embedded)
-    except BaseException:
-        if rendezvous is not None:
-            with anyio.CancelScope(shield=True):
-                await rendezvous.aclose()  # its HTTP session and a c10d host's etcd
-        if sock is not None:
-            sock.close()  # the Python API's caller lives on: leak nothing
-        runtime.cleanup()
-        forget_log_root(settings, log_root, run_id)
-        raise
-    events = EventLog(event_log, run_id, root=log_root)
-    etcd = rendezvous.etcd_service()
-    notifier = Notifier(None) if embedded else Notifier.from_environ(environ)
-    reporter = StatusReporter(notifier)
-    lag = LoopLag()
-    lag.add_listener(lambda stall: events.emit("loop_stall", **stall.fields()))
-    output.loss.listeners.append(lambda name, fields: events.emit(name, **fields))
-    progress = ProgressTable()
-    if not embedded:
-        set_child_subreaper()
-    controller: Controller  # made below; the snapshot socket asks it who a pid is
-
-    def identify(pid: int) -> Sender | None:
-        return identify_worker(controller, pid)
-
-    def restored(restore: Restore | None) -> None:
-        if restore is None:
-            return
-        events.emit("snapshot_restored", step=restore.step, source=restore.source,
-                    newest=restore.newest, replicated=restore.replicated)
-        goodput.on_restored(restore.step, restore.newest, restore.saved_at, restore.source)
-
-    snapshots = build_snapshots(
-        settings, coordinates_nodes=rendezvous.capabilities.coordinates_nodes,
-        runtime_dir=runtime.path, progress=progress, identify=identify,
-        changed=lambda: view.publish(), on_restore=restored,
-        placement=lambda: controller.round, disk=snapshot_disk)
-    if snapshots is not None and etcd is not None:  # told when this node joins a round
-        etcd.snapshot_report = snapshots.report
-        snapshots.marks = PersistMarks(etcd)  # the steps every node persists
-    cookie = uuid.uuid4().hex
-    # the guardian also removes the runtime directory and the snapshot regions if we die
-    # (a SIGKILL skips every cleanup)
-    guardian = Guardian(cookie, runtime_dir=runtime.path if runtime.owned else None,
-                        also_remove=[snapshots.regions.directory] if snapshots else [])
-    # a line matching --progress-pattern is progress when a rank posts no deadlines
-    output.on_progress_line = lambda local_rank: progress.touch_output(local_rank,
-                                                                       time.monotonic())
-    send, receive = anyio.create_memory_object_stream[sm.Event | ForwardSignal | ReopenLogs](
-        max_buffer_size=4096
-    )
-    death = DeathSignal()
-    pool = make_pool(settings, rendezvous, environ, death, progress, guardian,
-                     fork_server=not embedded, run_dir=log_root / run_id)
-    base_env = worker_base_env(environ, settings.local_world_size, cookie)
-    if snapshots is not None:  # the only variable of ours a worker gets
-        base_env[SNAPSHOT_ENV] = str(snapshots.socket_path)
-    group = WorkerGroup(
-        settings, run_id=run_id, events=events, log_root=log_root, output=output,
-        environ=base_env,
-        timer_file=str(timer_file) if timer_file else None, post=send.send_nowait,
-        death=death, pool=pool, guardian=guardian,
-        exempt_pids=[guardian.pid, *rendezvous.extra_pids()],
-        sweep_adopted=not embedded, command=command, cpus=cpus,
-    )
-    policy = restart_policy(settings)
-    healing = make_healing(settings, rendezvous, events, base_env, run_id, log_root,
-                           launcher=CheckLauncher(death, guardian),
-                           changed=lambda: view.publish())
-    goodput = GoodputRecorder(
-        events, progress, started=time.monotonic(), bound=settings.progress_timeout,
-        republish=lambda: view.publish(), shown=group.shown_attempt,
-    )
-    view = ReadModel(
-        settings, run_id=run_id, backend=rendezvous.backend, group=group, policy=policy,
-        events=events, output=output, timer_file=str(timer_file) if timer_file else None,
-        health_port=sock.getsockname()[1] if sock is not None else None, goodput=goodput,
-        service_status=etcd.outage_status if etcd is not None else None,
-        members_checked=rendezvous.capabilities.coordinates_nodes or settings.max_nodes == 1,
-        node_health=healing,
-        snapshots=snapshots.status if snapshots is not None else None,
-    )
-    hub = view.hub
-    observers: list[Observer] = [_StopNotice(reporter), goodput]
-    if snapshots is not None:  # before the launch it observes: the restore step first
-        observers.insert(0, snapshots)
-    controller = Controller(
-        settings, rendezvous, group=group, view=view, policy=policy, events=events,
-        output=output, progress=progress, observers=observers,
-        stop_guard=lambda: extending_timeout(notifier), healing=healing,
-        late_observer=sock is not None,  # the metrics, attached by serve_when_launched
-    )
-    # after the checks: a failed start is one line
-    for level, note in (*advisories(settings), *backend_advisories(settings)):
-        logger.log(level, "%s", note)
-    if not embedded:  # this thread runs the loop; the spawner (workers) stays at nice 0
-        priority = raise_loop_priority(settings.loop_nice)  # /healthz ahead of a restart
-        logger.log(logging.DEBUG if settings.loop_nice == 0 else logging.INFO, "%s",
-                   describe_priority(priority))
-    events.emit("supervisor_started", pid=os.getpid(), log_dir=str(log_root),
-                local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
-    logger.info("run %s: logs under %s", run_id, log_root / run_id)
-    owners = OwnerCache(controller.live_worker_ranks)  # whose deadline requests are whose
-    try:
+        daemon = wire(plan, outside, environ, hooks, command=command, embedded=embedded)
+        announce_start(daemon)
         async with anyio.create_task_group() as tg:
-            if not embedded:
-                await tg.start(deliver_signals, send)
-            await tg.start(run_watchdog_pings, notifier)
-            await tg.start(output.run)
-            await pool.start_tasks(tg)
-            pool.warm_up(group.preview())  # the fork server imports while we rendezvous
-            await tg.start(rendezvous.run)
-            await tg.start(lag.run)
-            await tg.start(events.retry_pending)
-            await tg.start(guardian.run)
-            await tg.start(goodput.run)
-            if snapshots is not None:
-                await tg.start(snapshots.run)
-            watchdog = None
-            health_url: str | None = None
-            if timer_file is not None:
-                watchdog = await start_watchdog(
-                    tg, settings, controller, timer_file, send, hang_dump, owners
-                )
-            # health signals run whether or not the deadline FIFO does (--no-watchdog)
-            dstate = await start_health_signals(tg, settings, controller, send)
-            controller.attach(_WatchdogHooks(watchdog, dstate))
-            if sock is not None:
-                port = sock.getsockname()[1]
-                announce(runtime.path, local_url(settings.health_host, port), run_id)  # status
-                logger.info("health endpoint on http://%s:%d", settings.health_host, port)
-                events.emit("health_listening", host=settings.health_host, port=port)
-                tg.start_soon(serve_when_launched, tg, controller, sock, lag, watchdog, goodput,
-                              hub, not embedded, snapshots)
-                health_url = f"http://{advertised_host(settings, rendezvous)}:{port}"
-            elif not embedded:
-                tg.start_soon(freeze_when_launched, controller)
-            start_summaries(tg, rendezvous, hub, health_url)
-            tg.start_soon(publish_status, hub, reporter)
-            result = await controller.run(receive, send)
-            if snapshots is not None:  # the workers are stopped: the newest step to disk
-                await snapshots.finish(settings.shutdown_timeout)
-            reporter.publish(hub.current)
-            await _close_rendezvous(rendezvous, controller.state)
-            if controller.state.phase is sm.Phase.QUARANTINED:  # a c10d host serves on
-                await rendezvous.serve_until_job_ends()
+            await start_tasks(tg, daemon)
+            result = await daemon.controller.run(daemon.inbox, daemon.outbox)
+            await wind_down(daemon)
             tg.cancel_scope.cancel()
     finally:
-        if sock is not None:
-            sock.close()  # served or not: a start that failed later must not leak it
-        send.close()  # an embedded run must leave no unclosed streams (ResourceWarning)
-        receive.close()
-        with anyio.CancelScope(shield=True):
-            await rendezvous.aclose()
-        if snapshots is not None:
-            snapshots.close()  # the regions: never left behind
-        guardian.close()
-        owners.close()
-        events.close()
-        notifier.close()
-        runtime.cleanup()
+        await close(outside, daemon)
     return result
 
 
-class StoppedBeforeStart(Exception):
-    """A stop signal arrived while the rendezvous was being reached: exit 128+N."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
+# ------------------------------------------------------------------ start-up
 
 
-async def connect_rendezvous(rendezvous: Rendezvous, *, handle_signals: bool = False) -> None:
-    """Reach the rendezvous (a c10d host starts its etcd here); failure is a ConfigError.
-    This may wait until ``join_timeout`` for a service that is not up yet, so a stop
-    signal meanwhile ends the run cleanly (``StoppedBeforeStart``)."""
-    failure: RendezvousError | None = None
-    received: list[int] = []
-    async with anyio.create_task_group() as tg:
-        if handle_signals:
-            await tg.start(_cancel_on_stop_signal, tg.cancel_scope, received)
-        try:
-            await rendezvous.connect()
-        except RendezvousError as exc:
-            failure = exc
-        tg.cancel_scope.cancel()
-    if failure is None and not received:
-        return
+def announce_start(daemon: Daemon) -> None:
+    """The start-up's last lines: advisories, the loop's priority, ``supervisor_started``."""
+    settings = daemon.settings
+    # after the checks: a failed start is one line
+    for level, note in (*advisories(settings), *backend_advisories(settings)):
+        logger.log(level, "%s", note)
+    if not daemon.embedded:  # this thread runs the loop; the spawner (workers) stays at nice 0
+        priority = raise_loop_priority(settings.loop_nice)  # /healthz ahead of a restart
+        logger.log(logging.DEBUG if settings.loop_nice == 0 else logging.INFO, "%s",
+                   describe_priority(priority))
+    daemon.records.events.emit(
+        "supervisor_started", pid=os.getpid(), log_dir=str(daemon.log_root),
+        local_world_size=settings.local_world_size, backend=settings.rdzv_backend)
+    logger.info("run %s: logs under %s", daemon.run_id, daemon.log_root / daemon.run_id)
+
+
+# ------------------------------------------------------------------ serve
+
+
+async def start_tasks(tg: TaskGroup, daemon: Daemon) -> None:
+    """Every long-lived task, each started only once the one before it is ready: signal
+    handlers before any worker exists, the FIFO open before the first launch."""
+    d = daemon
+    if not d.embedded:
+        await tg.start(deliver_signals, d.outbox)
+    await tg.start(run_watchdog_pings, d.records.notifier)
+    await tg.start(d.records.output.run)
+    await d.workers.pool.start_tasks(tg)
+    # the fork server imports while we rendezvous
+    d.workers.pool.warm_up(d.workers.group.preview())
+    await tg.start(d.rendezvous.run)
+    await tg.start(d.records.lag.run)
+    await tg.start(d.records.events.retry_pending)
+    await tg.start(d.workers.guardian.run)
+    await tg.start(d.control.goodput.run)
+    if d.workers.snapshots is not None:
+        await tg.start(d.workers.snapshots.run)
+    if d.watchers.watchdog is not None:
+        path = await tg.start(d.watchers.watchdog.run)
+        logger.info("deadline FIFO at %s", path)
+    await tg.start(d.watchers.dstate.run)
+    health_url = start_serving(tg, d)
+    start_summaries(tg, d.rendezvous, d.control.view.hub, health_url)
+    tg.start_soon(publish_status, d.control.view.hub, d.records.reporter)
+
+
+def start_serving(tg: TaskGroup, daemon: Daemon) -> str | None:
+    """The health endpoint (served once the first group is launched); its URL for peers."""
+    settings, serving = daemon.settings, daemon.serving
+    if serving is None:
+        if not daemon.embedded:
+            tg.start_soon(freeze_when_launched, daemon.controller.launched)
+        return None
+    port = serving.sock.getsockname()[1]
+    announce(daemon.outside.runtime.path, local_url(settings.health_host, port),
+             daemon.run_id)  # for the status command
+    logger.info("health endpoint on http://%s:%d", settings.health_host, port)
+    daemon.records.events.emit("health_listening", host=settings.health_host, port=port)
+    tg.start_soon(serve_when_launched, tg, serving)
+    return f"http://{advertised_host(settings, daemon.rendezvous)}:{port}"
+
+
+# ------------------------------------------------------------------ shut down
+
+
+async def wind_down(daemon: Daemon) -> None:
+    """After the controller's last transition: the newest snapshot to disk, the last
+    STATUS line, and the rendezvous told how this node ended."""
+    snapshots = daemon.workers.snapshots
+    if snapshots is not None:  # the workers are stopped: the newest step to disk
+        await snapshots.finish(daemon.settings.shutdown_timeout)
+    daemon.records.reporter.publish(daemon.control.view.hub.current)
+    state = daemon.controller.state
+    await _close_rendezvous(daemon.rendezvous, state)
+    if state.phase is sm.Phase.QUARANTINED:  # a c10d host serves on
+        await daemon.rendezvous.serve_until_job_ends()
+
+
+async def close(outside: Outside, daemon: Daemon | None) -> None:
+    """Close what was made, whether the run ended or its start failed half-way."""
+    if outside.sock is not None:
+        outside.sock.close()  # served or not: a start that failed later must not leak it
+    if daemon is not None:
+        daemon.outbox.close()  # an embedded run must leave no unclosed streams
+        daemon.inbox.close()
     with anyio.CancelScope(shield=True):
-        await rendezvous.aclose()  # its HTTP session, or asyncio logs "Unclosed client session"
-    if failure is not None:
-        raise ConfigError(f"rdzv_endpoint: {failure}") from None
-    logger.info("stopped by %s while reaching the rendezvous", signal.Signals(received[0]).name)
-    raise StoppedBeforeStart(received[0])
-
-
-async def _cancel_on_stop_signal(
-    scope: anyio.CancelScope, received: list[int], *, task_status: TaskStatus[None]
-) -> None:
-    with anyio.open_signal_receiver(*STOP_SIGNALS) as signals:
-        task_status.started()
-        async for signum in signals:
-            received.append(signum)
-            scope.cancel()
-            return
-
-
-def make_pool(
-    settings: Settings,
-    rendezvous: Rendezvous,
-    environ: Mapping[str, str],
-    death: DeathSignal,
-    progress: ProgressTable,
-    guardian: Guardian,
-    *,
-    fork_server: bool = False,
-    run_dir: Path | None = None,
-) -> Pool:
-    """The warm pool (``--no-warm-restart``: none, every attempt starts cold; nor where
-    no attempt can follow the first and nothing is preloaded: its code is not even
-    imported then; nor where no standby can run the command, which ``--preload`` is told
-    in one warning line).
-
-    ``fork_server``: with ``--preload``, every attempt's workers start in interpreters
-    forked from one fork server per node; only where we are a child subreaper (the
-    daemon), so that a forked standby is reparented to us. The embedded API keeps
-    standbys that import for themselves (for restarts only).
-    ``run_dir``: where ``--preload auto`` keeps what it learned for the next run."""
-    second_attempt = attempt_may_follow(0, settings.max_restarts,
-                                        rendezvous.capabilities.membership_can_change)
-    if settings.no_warm_restart or not (second_attempt or settings.preload):
-        return NullPool()
-    python = standby_python(environ.get("PYTHON_EXEC", sys.executable),
-                            no_python=settings.no_python, script=settings.training_script,
-                            args=settings.training_script_args)
-    why = (f"{settings.training_script} is not a Python interpreter run as "
-           "'PYTHON -u SCRIPT' (or -m MODULE, -c CODE)") if python is None else None
-    if python is not None and python != sys.executable:
-        from supervisor.workers.warm.interpreter import unsupported
-
-        why = unsupported(python, environ)
-    if why is not None:
-        if settings.preload:
-            logger.warning("preload: no effect, every attempt starts cold: %s", why)
-        return NullPool()
-    assert python is not None
-    from supervisor.workers.warm.pool import WarmPool
-
-    forks = None
-    if fork_server and settings.preload:
-        from supervisor.workers.warm.forkslot import ForkSlot
-
-        forks = ForkSlot(death=death, prefix=interpreter(python), guardian=guardian)
-    return WarmPool(
-        settings, python=python, death=death,
-        progress=progress,
-        membership_can_change=rendezvous.capabilities.membership_can_change,
-        guardian=guardian, forks=forks, run_dir=run_dir,
-    )
+        await outside.rendezvous.aclose()
+    if daemon is not None:
+        if daemon.workers.snapshots is not None:
+            daemon.workers.snapshots.close()  # the regions: never left behind
+        daemon.workers.guardian.close()
+        daemon.watchers.owners.close()
+        daemon.records.events.close()
+        daemon.records.notifier.close()
+    outside.runtime.cleanup()
 
 
 def advertised_host(settings: Settings, rendezvous: Rendezvous) -> str:
@@ -475,7 +237,7 @@ def advertised_host(settings: Settings, rendezvous: Rendezvous) -> str:
 
 
 def start_summaries(
-    tg: TaskGroup, rendezvous: Rendezvous, hub: SnapshotHub, health_url: str | None
+    tg: TaskGroup, rendezvous: Rendezvous, hub: StatusHub, health_url: str | None
 ) -> None:
     """Publish this node's status summary in etcd (the job-wide view of ``status``), for
     every backend that keeps one: etcd, etcd-v2, and c10d in the etcd its host runs."""
@@ -500,249 +262,13 @@ async def _close_rendezvous(rendezvous: Rendezvous, state: sm.State) -> None:
             logger.warning("could not tell the rendezvous how this node ended: %s", exc)
 
 
-def _timer_file(settings: Settings, runtime_dir: Path) -> Path:
-    if settings.timer_file:
-        return Path(settings.timer_file)
-    return runtime_dir / "watchdog" / "timer.fifo"
-
-
-SERVE_DEFER = 0.5  # seconds the health server may wait for the first launch before serving
-HTTP_STACK = ("supervisor.health.metrics", "supervisor.health.server")
-
-
-def import_modules(*names: str) -> None:
-    """Import what serving needs (aiohttp, prometheus-client): run in a thread."""
-    for name in names:
-        importlib.import_module(name)
-
-
-async def serve_when_launched(
-    tg: TaskGroup,
-    controller: Controller,
-    sock: socket.socket,
-    lag: LoopLag,
-    watchdog: Watchdog | None,
-    goodput: GoodputRecorder,
-    hub: SnapshotHub,
-    freeze: bool,
-    snapshots: SnapshotService | None = None,
-) -> None:
-    """Serve HTTP once the first group is launched (or SERVE_DEFER passed, for a long
-    rendezvous): importing aiohttp and prometheus-client costs ~100 ms, which would
-    otherwise delay every worker's start. The socket is already bound and listening.
-    With ``freeze`` (the daemon, not the embedded API) the heap is frozen once serving."""
-    with anyio.move_on_after(SERVE_DEFER):
-        await controller.launched.wait()
-    # imported in a thread: the loop goes on reading the FIFO, pidfds and output meanwhile
-    # (~100 ms here, seconds on a loaded node, which would stamp deadline posts late)
-    etcd = controller.rendezvous.etcd_service()
-    extra = (("supervisor.rendezvous.etcd.metrics",) if etcd is not None else ()) + (
-        ("supervisor.health.healing_metrics",) if controller.healing is not None else ()) + (
-        ("supervisor.health.snapshot_metrics",) if snapshots is not None else ())
-    await anyio.to_thread.run_sync(functools.partial(import_modules, *HTTP_STACK, *extra))
-    from supervisor.health.metrics import Metrics
-    from supervisor.health.server import serve_health
-
-    metrics = Metrics(started=controller.started,
-                      watchdog=watchdog.stats if watchdog is not None else None)
-    controller.attach_late(metrics)
-    if etcd is not None:
-        from supervisor.rendezvous.etcd.metrics import EtcdCollector
-
-        metrics.registry.register(EtcdCollector(etcd))
-    if controller.healing is not None:
-        from supervisor.health.healing_metrics import HealingCollector
-
-        metrics.registry.register(HealingCollector(controller.healing))
-    if snapshots is not None:
-        from supervisor.health.snapshot_metrics import SnapshotCollector
-
-        metrics.registry.register(SnapshotCollector(snapshots))
-    metrics.watch_loop(lag)
-    metrics.watch_event_log(controller.events)
-    metrics.watch_output(controller.output.loss)
-    metrics.watch_warm(controller.group.pool)
-    goodput.attach_metrics(metrics)
-    if freeze:  # before serving: the first scrape already shows it
-        freeze_heap()
-    serve = functools.partial(serve_health, sock=sock,
-                              notices=etcd.notices.receive if etcd is not None else None)
-    await tg.start(
-        serve, "", 0, functools.partial(current_view, hub, snapshots), controller.progress,
-        metrics, lag.current
-    )
-
-
-def current_view(hub: SnapshotHub, snapshots: SnapshotService | None) -> Snapshot:
-    """What HTTP readers see: the last published view, with the snapshot counts of now
-    (a save changes them between two transitions; republishing at every save would wake
-    every reader of the view, the status summaries in etcd among them)."""
-    if snapshots is None:
-        return hub.current
-    return msgspec.structs.replace(hub.current, snapshots=snapshots.status())
-
-
-async def freeze_when_launched(controller: Controller) -> None:
-    """``freeze_heap`` once the first group is launched, for a daemon without HTTP."""
-    with anyio.move_on_after(SERVE_DEFER):
-        await controller.launched.wait()
-    freeze_heap()
-
-
-def freeze_heap() -> None:
-    """Move what start-up left on the heap (modules, settings, the HTTP stack: about 48,000
-    objects) to the collector's permanent generation, as a pre-forking server does: every
-    full collection would otherwise walk them all again, holding the loop 14-68 ms each
-    (measured under issue 29's load on a 2-core machine, two or three per 20 s). No
-    ``gc.collect()`` first: that would hold the loop as long, right after the launch (the
-    start-up's garbage, 34-135 objects when probed, stays). The cost: what is alive then
-    and later dies in a reference cycle is never freed (the first attempt's objects at
-    most, once). A daemon only: the embedded API leaves its host's collector alone."""
-    gc.freeze()  # moves the generations' lists: no walk of the heap
-
-
-async def start_watchdog(
-    tg: TaskGroup,
-    settings: Settings,
-    controller: Controller,
-    timer_file: Path,
-    outbox: Outbox,
-    hang_dump: HangDump,
-    owners: OwnerCache,
-) -> Watchdog:
-    """Open the deadline FIFO; expired deadlines are reported into the inbox."""
-
-    def dump_path(local_rank: int, pid: int) -> Path | None:
-        attempt = controller.attempt
-        return attempt.directory / str(local_rank) / f"hang-{pid}.txt" if attempt else None
-
-    config = WatchdogConfig(
-        kill_grace=min(5.0, max(0.5, settings.shutdown_timeout)),
-        hang_dump=hang_dump,
-        dump_path=dump_path,
-    )
-    watchdog = Watchdog(
-        timer_file,
-        owner=owners,
-        progress=controller.progress,
-        on_expired=outbox.send,
-        config=config,
-    )
-    path = await tg.start(watchdog.run)
-    logger.info("deadline FIFO at %s", path)
-    return watchdog
-
-
-async def start_health_signals(
-    tg: TaskGroup, settings: Settings, controller: Controller, outbox: Outbox
-) -> DStateMonitor:
-    """Start the checks of the workers' health that need no cooperation from them (a
-    worker stuck in uninterruptible sleep); they report into the inbox."""
-    dstate = DStateMonitor(
-        controller.live_worker_ranks, outbox.send, hang_state_timeout=settings.hang_state_timeout
-    )
-    await tg.start(dstate.run)
-    return dstate
-
-
-class _WatchdogHooks:
-    """Keeps the watchdog's and health signals' tables in step with the worker group."""
-
-    def __init__(self, watchdog: Watchdog | None, dstate: DStateMonitor) -> None:
-        self.watchdog = watchdog
-        self.dstate = dstate
-
-    def on_transition(
-        self, old: sm.State, new: sm.State, event: sm.Event, decision: sm.Decision
-    ) -> None:
-        if isinstance(event, sm.WorkerExited) and self.watchdog is not None:
-            self.watchdog.forget_pid(event.pid)
-
-    def on_launch(self, attempt: Attempt) -> None:
-        # before any worker of the attempt can post: they are still exec'ing
-        if self.watchdog is not None:
-            self.watchdog.reset(attempt.number)
-        self.dstate.reset(attempt.number)
-
-    def on_stopped(self, attempt: Attempt) -> None:
-        if self.watchdog is not None:
-            self.watchdog.clear()
-
-
-class RuntimeDir:
-    """Private state (the FIFO): $RUNTIME_DIRECTORY under systemd, else a fresh 0700 dir."""
-
-    def __init__(self, path: Path, owned: bool) -> None:
-        self.path = path
-        self.owned = owned
-
-    @classmethod
-    def create(cls, environ: Mapping[str, str]) -> RuntimeDir:
-        given = environ.get("RUNTIME_DIRECTORY")
-        if given:
-            # systemd may pass several, space-separated; the first is ours
-            return cls(Path(given.split()[0]), owned=False)
-        return cls(Path(tempfile.mkdtemp(prefix="elastic-supervisor-run-")), owned=True)
-
-    def cleanup(self) -> None:
-        if self.owned:
-            shutil.rmtree(self.path, ignore_errors=True)
-
-
-def identify_worker(controller: Controller, pid: int) -> Sender | None:
-    """The live worker of the current attempt that is (or owns) ``pid``, with its ranks.
-
-    Unlike a deadline, a save's commit counts while the attempt is being stopped: a rank
-    that finished copying as a peer crashed completes its step (the step to restore is
-    decided only once every worker is reaped)."""
-    attempt = controller.attempt
-    if attempt is None:
-        return None
-    live = {w.pid: w.local_rank for w in attempt.workers if w.status is None}
-    local_rank = owner_by_ancestry(pid, live)
-    if local_rank is None:
-        return None
-    return Sender(pid, local_rank, attempt.layout.rank_offset + local_rank)
-
-
-def worker_base_env(
-    environ: Mapping[str, str], local_world_size: int, cookie: str | None = None
-) -> dict[str, str]:
-    """The environment workers start from: ours, minus systemd's notify variables (a worker
-    must never be able to ping our watchdog or send READY=1 for us), plus the guardian's
-    cookie, which marks every descendant as ours."""
-    env = {k: v for k, v in environ.items() if k not in NOTIFY_ENV_VARS}
-    if cookie is not None:
-        env[COOKIE_ENV] = cookie
-    return default_omp_threads(env, local_world_size)
-
-
-async def publish_status(hub: SnapshotHub, reporter: StatusReporter) -> None:
+async def publish_status(hub: StatusHub, reporter: StatusReporter) -> None:
     """Tell systemd each new state (STATUS=, READY=1 after the first launch)."""
     seen = -1
     while True:
         reporter.publish(hub.current)
         seen = hub.version
         await hub.wait_changed(seen)
-
-
-class _StopNotice:
-    """Sends STOPPING=1 the moment a shutdown stop begins (before workers get SIGTERM)."""
-
-    def __init__(self, reporter: StatusReporter) -> None:
-        self.reporter = reporter
-
-    def on_transition(
-        self, old: sm.State, new: sm.State, event: sm.Event, decision: sm.Decision
-    ) -> None:
-        if isinstance(decision, sm.StopGroup) and decision.reason is sm.StopReason.SHUTDOWN:
-            self.reporter.stopping(f"stopping: {sm.signal_name(decision.signum)} received")
-
-    def on_launch(self, attempt: Attempt) -> None:
-        return None
-
-    def on_stopped(self, attempt: Attempt) -> None:
-        return None
 
 
 async def deliver_signals(outbox: Outbox, *, task_status: TaskStatus[None]) -> None:

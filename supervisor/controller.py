@@ -5,11 +5,12 @@ health, membership watch, worker monitors) only report events into its inbox. Lo
 actions (rendezvous, backoff, exit barrier, stopping a group) run as tasks in the
 controller's own task group and report back with an event when done, so the controller
 always stays responsive (a second SIGTERM during a stop escalates at once). What readers
-see (snapshots, the status line, the summary) is the read model's (``views``).
+see (the status view, the status line, the summary) is the read model's (``views``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -26,7 +27,7 @@ from supervisor.config import Settings
 from supervisor.core import state as sm
 from supervisor.core.peers import CHECK_BOUND
 from supervisor.core.policy import RestartPolicy
-from supervisor.core.snapshot import ProgressTable
+from supervisor.core.statusview import ProgressTable
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import (
     Rendezvous,
@@ -35,7 +36,7 @@ from supervisor.rendezvous.base import (
     RendezvousResult,
 )
 from supervisor.rendezvous.watch import MembershipWatch
-from supervisor.views import ReadModel, RunResult, SnapshotHub, signame
+from supervisor.views import ReadModel, RunResult, StatusHub, signame
 from supervisor.workers.group import (
     Attempt,
     AttemptPrepError,
@@ -47,8 +48,8 @@ from supervisor.workers.group import (
 from supervisor.workers.output import OutputPlan
 from supervisor.workers.spawn import signal_workers
 
-__all__ = ["Attempt", "CommandFor", "Controller", "CpusFor", "ForwardSignal", "Observer",
-           "ReopenLogs", "SnapshotHub", "settings_command"]
+__all__ = ["Attempt", "CommandFor", "Controller", "CpusFor", "ForwardSignal", "InboxItem",
+           "Observer", "ReopenLogs", "RoundFormed", "StatusHub", "settings_command"]
 
 if TYPE_CHECKING:
     from supervisor.healing import Healing
@@ -72,11 +73,21 @@ class ReopenLogs(msgspec.Struct, frozen=True):
     """SIGHUP: reopen log files (logrotate); workers are not touched."""
 
 
+class RoundFormed(msgspec.Struct, frozen=True):
+    """A rendezvous round formed: the state machine's event with the round it reports. The
+    round becomes the controller's (and the read model's) only in the transition that
+    accepts the event, never in the task that formed it."""
+
+    result: RendezvousResult
+    event: sm.RendezvousComplete
+
+
 Command = ForwardSignal | ReopenLogs
+InboxItem = sm.Event | Command | RoundFormed
 # wraps a shutdown stop (e.g. asks systemd for more time while the grace runs)
 StopGuard = Callable[[], AbstractAsyncContextManager[None]]
-Inbox = MemoryObjectReceiveStream[sm.Event | Command]
-Outbox = MemoryObjectSendStream[sm.Event | Command]
+Inbox = MemoryObjectReceiveStream[InboxItem]
+Outbox = MemoryObjectSendStream[InboxItem]
 
 
 class Observer(Protocol):
@@ -191,10 +202,7 @@ class Controller:
                 self.view.publish()
                 self._execute(sm.StartRendezvous())
                 async for item in inbox:
-                    if isinstance(item, ForwardSignal | ReopenLogs):
-                        self._command(item)
-                        continue
-                    self._apply(item)
+                    self._handle(item)
                     if self.state.phase.final:
                         break
                 tg.cancel_scope.cancel()
@@ -218,17 +226,45 @@ class Controller:
         """Set once the first worker group has been launched (for READY=1)."""
         return self._launched_once
 
-    def _post(self, event: sm.Event | Command) -> None:
+    def _post(self, item: InboxItem) -> None:
         assert self._send is not None
-        self._send.send_nowait(event)
+        self._send.send_nowait(item)
 
-    def _apply(self, event: sm.Event) -> None:
+    def _handle(self, item: InboxItem) -> None:
+        match item:
+            case ForwardSignal() | ReopenLogs():
+                self._command(item)
+            case RoundFormed():
+                self._apply(item.event, formed=item.result)
+            case _:
+                self._apply(item)
+
+    def _apply(self, event: sm.Event, formed: RendezvousResult | None = None) -> None:
+        """One step of the state machine: the only writer of ``state`` (and, through
+        ``_label_events``, of the attempt the event log labels its lines with)."""
         old = self.state
+        step = self._transition(old, event)
+        if step is None:
+            return
+        new, decision = step
+        self.state = new
+        if formed is not None:  # the round this transition accepted: shown from now on
+            self.round = formed
+            self.view.on_round(formed)
+        self._label_events(new.attempt)
+        self.audience.tell(lambda observer: observer.on_transition(old, new, event, decision))
+        self.view.publish()
+        self._execute(decision)
+
+    def _transition(self, old: sm.State, event: sm.Event
+                    ) -> tuple[sm.State, sm.Decision] | None:
+        """The state machine's answer to ``event``; None for an event that changes
+        nothing: an earlier attempt's (counted and dropped) or one with no edge."""
         if sm.is_stale(old, event):  # an earlier attempt's: it can change nothing now
             self.view.on_stale(event)
-            return
+            return None
         try:
-            new, decision = sm.transition(old, event, self.policy)
+            return sm.transition(old, event, self.policy)
         except sm.InvalidTransition as exc:
             # a bug of ours, never the workers': say so loudly and keep supervising
             # (raising here would end the run and orphan the group's stop)
@@ -236,11 +272,11 @@ class Controller:
                          exc, event)
             self.events.emit("invalid_transition", phase=old.phase.value,
                              event=type(event).__name__)
-            return
-        self.state = new
-        self.audience.tell(lambda observer: observer.on_transition(old, new, event, decision))
-        self.view.publish()
-        self._execute(decision)
+            return None
+
+    def _label_events(self, number: int) -> None:
+        """Event-log lines from now on carry attempt ``number`` (as users see it)."""
+        self.events.attempt = self.group.shown_attempt(number)
 
     def _command(self, command: Command) -> None:
         if isinstance(command, ForwardSignal):
@@ -312,17 +348,21 @@ class Controller:
             return
         if result.spare and self.healing is not None:
             self.healing.spare_admitted(result.round)
-        self.round = msgspec.structs.replace(result, duration=time.monotonic() - started)
-        self.view.on_round(self.round)
+        duration = time.monotonic() - started
+        result = msgspec.structs.replace(result, duration=duration)
         job_restarts = await self._job_restarts()
+        self._emit_round(result, duration)
+        await self.group.settle()  # a fork server about to be ready beats a cold start
+        self._post(RoundFormed(result, sm.RendezvousComplete(
+            result.round, result.world_size, job_restarts)))
+
+    def _emit_round(self, result: RendezvousResult, duration: float) -> None:
         self.events.emit(
             "rendezvous", round=result.round, group_rank=result.group_rank,
             group_world_size=result.group_world_size, world_size=result.world_size,
             master_addr=result.master_addr, master_port=result.master_port,
-            members=list(result.members), duration=round(self.round.duration, 6),
+            members=list(result.members), duration=round(duration, 6),
         )
-        await self.group.settle()  # a fork server about to be ready beats a cold start
-        self._post(sm.RendezvousComplete(result.round, result.world_size, job_restarts))
 
     async def _job_restarts(self) -> int:
         try:
@@ -354,32 +394,31 @@ class Controller:
                              reason=decision.reason)
             logger.warning("preparing the attempt again: %s", decision.reason)
 
-        async def wait() -> None:
-            try:  # count it job-wide first, so every node sees the same budget
-                if decision.counted:
-                    await self.rendezvous.record_failure_restart(decision.reason)
-                    # said once it is on its way: when the rendezvous is gone (a c10d host
-                    # lost), the next line is the run's end, not a restart that never comes
-                    logger.warning("restarting the worker group: %s", decision.reason)
-            except RendezvousError as exc:
-                logger.info("cannot record the restart job-wide: %s", exc)
-            await anyio.sleep(decision.delay)
-            self._post(sm.BackoffElapsed())
+        self._start_action(functools.partial(self._wait_backoff, decision))
 
-        self._start_action(wait)
+    async def _wait_backoff(self, decision: sm.StartBackoff) -> None:
+        try:  # count it job-wide first, so every node sees the same budget
+            if decision.counted:
+                await self.rendezvous.record_failure_restart(decision.reason)
+                # said once it is on its way: when the rendezvous is gone (a c10d host
+                # lost), the next line is the run's end, not a restart that never comes
+                logger.warning("restarting the worker group: %s", decision.reason)
+        except RendezvousError as exc:
+            logger.info("cannot record the restart job-wide: %s", exc)
+        await anyio.sleep(decision.delay)
+        self._post(sm.BackoffElapsed())
 
     # ------------------------------------------------------------------ the group
     def _launch(self, decision: sm.LaunchGroup) -> None:
         assert self.round is not None and self._tg is not None
-        group = self.group
         self.progress.reset(decision.attempt)
-        self.events.attempt = group.shown_attempt(decision.attempt)
         try:
-            attempt = group.begin(decision.attempt, decision.restart_count, self.round)
+            attempt = self.group.begin(decision.attempt, decision.restart_count, self.round)
         except AttemptPrepError as exc:
+            self._label_events(decision.attempt)  # its lines are the new attempt's
             self._launch_failed(decision, exc)
             return
-        self.events.attempt = group.shown_attempt(decision.attempt)  # a taken K was skipped
+        self._label_events(decision.attempt)  # after begin: a taken K was skipped
         # its ranks start in a task: the loop serves /healthz and the FIFO between two
         self._tg.start_soon(self._start_group, decision, attempt)
 
@@ -397,15 +436,7 @@ class Controller:
             self._launch_failed(decision, exc)
             return
         self._tg.start_soon(group.supervise, attempt, self.membership.watch, self._watch_node)
-        layout = attempt.layout
-        self.events.emit(
-            "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
-            pids={w.local_rank: w.pid for w in attempt.workers},
-            warm=[w.local_rank for w in attempt.workers if w.start.warm] or None,
-            master_addr=layout.master_addr, master_port=layout.master_port,
-            cpus={w.local_rank: list(w.spec.cpus) for w in attempt.workers if w.spec.cpus}
-            or None,
-        )
+        self._emit_group_started(decision, attempt)
         self.audience.tell(lambda observer: observer.on_launch(attempt))
         # reported through the inbox like any event: behind whatever was queued before
         # (a shutdown request then meets the launch in STOPPING, an edge of its own)
@@ -416,6 +447,17 @@ class Controller:
         for local_rank, message in failed_to_start:
             self._post(sm.WorkerFailedToStart(decision.attempt, local_rank, message, now))
         self._launched_once.set()
+
+    def _emit_group_started(self, decision: sm.LaunchGroup, attempt: Attempt) -> None:
+        layout = attempt.layout
+        self.events.emit(
+            "group_started", restart_count=decision.restart_count, dir=str(attempt.directory),
+            pids={w.local_rank: w.pid for w in attempt.workers},
+            warm=[w.local_rank for w in attempt.workers if w.start.warm] or None,
+            master_addr=layout.master_addr, master_port=layout.master_port,
+            cpus={w.local_rank: list(w.spec.cpus) for w in attempt.workers if w.spec.cpus}
+            or None,
+        )
 
     async def _watch_node(self, attempt: Attempt) -> None:
         """The node check every interval while this attempt runs."""
@@ -434,10 +476,16 @@ class Controller:
         )
         if root is not None and decision.reason is sm.StopReason.FAILURE:
             logger.error("worker group failed: %s", root.describe())
+        # a failure's verdict is resolved beside the stop, for the failure decided now
+        failure = root if decision.reason is sm.StopReason.FAILURE else None
         assert self._tg is not None
-        self._tg.start_soon(self._stop_attempt, attempt, decision)
+        self._tg.start_soon(self._stop_attempt, attempt, decision, failure, self.round)
 
-    async def _stop_attempt(self, attempt: Attempt | None, decision: sm.StopGroup) -> None:
+    async def _stop_attempt(self, attempt: Attempt | None, decision: sm.StopGroup,
+                            failure: sm.Failure | None, round_: RendezvousResult | None
+                            ) -> None:
+        """Stop the workers and report it; a failure's verdict is posted first, as an
+        event of its own: the transition it meets decides where the stop leads."""
         started = time.monotonic()
         guard = (
             self.stop_guard()
@@ -445,45 +493,46 @@ class Controller:
             else nullcontext()
         )
         async with guard:
-            resolved = await self._stop_and_resolve(attempt, decision)
-        if resolved is not None:  # before GroupStopped: it decides where the stop leads
-            self._post(resolved)
+            verdict = await self._stop_and_resolve(attempt, decision, failure, round_)
+        if verdict is not None:  # before GroupStopped: it decides where the stop leads
+            self._post(verdict)
         self.events.emit("group_stopped", seconds=round(time.monotonic() - started, 6))
         self._post(sm.GroupStopped(time.monotonic(), self._rng.random()))
 
-    async def _stop_and_resolve(self, attempt: Attempt | None, decision: sm.StopGroup
+    async def _stop_and_resolve(self, attempt: Attempt | None, decision: sm.StopGroup,
+                                failure: sm.Failure | None, round_: RendezvousResult | None
                                 ) -> sm.Event | None:
         """Stop the workers; meanwhile, for a failure, ask whether it came from a lost
         peer (a membership change), was another node's (a remote consequence) or the K-th
-        of this node's (quarantine)."""
-        root = self.state.root_cause
-        if root is None or decision.reason is not sm.StopReason.FAILURE:
+        of this node's (quarantine). Returns the verdict's event; changes nothing."""
+        if failure is None:
             await self._stop_workers(attempt, decision)
             return None
-        found = list[sm.Event | None]()
+        verdict = list[sm.Event | None]()
 
         async def resolve() -> None:
-            found.append(await self._resolve(root, attempt))
+            verdict.append(await self._resolve(failure, attempt, round_))
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(resolve)
             await self._stop_workers(attempt, decision)
-        return found[0] if found else None
+        return verdict[0] if verdict else None
 
-    async def _resolve(self, root: sm.Failure, attempt: Attempt | None) -> sm.Event | None:
+    async def _resolve(self, root: sm.Failure, attempt: Attempt | None,
+                       round_: RendezvousResult | None) -> sm.Event | None:
         """A lost peer first: its consequence is no failure of this node's to record."""
-        lost = await self._lost_peers(root)
+        lost = await self._lost_peers(root, round_)
         if lost is not None or self.healing is None:
             return lost
-        number = self.round.round if self.round else 0
+        number = round_.round if round_ else 0
         rank = None if root.local_rank is None or attempt is None else (
             attempt.layout.rank_offset + root.local_rank)
         return await self.healing.resolve(root, number, rank)
 
-    async def _lost_peers(self, root: sm.Failure) -> sm.PeerLost | None:
+    async def _lost_peers(self, root: sm.Failure, round_: RendezvousResult | None
+                          ) -> sm.PeerLost | None:
         """Ask the round's other members (``Rendezvous.check_peers``, bounded by
         ``CHECK_BOUND``) whether one is gone, for a failure a lost peer can cause."""
-        round_ = self.round
         if (root.kind not in PEER_KINDS or round_ is None or len(round_.members) < 2
                 or not self.rendezvous.capabilities.membership_can_change):
             return None

@@ -33,7 +33,7 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskStatus
 
-from supervisor.core.snapshot import cap_text
+from supervisor.core.statusview import cap_text
 from supervisor.safepaths import open_below
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import anyio
 import msgspec
 from anyio.abc import TaskStatus
 
-from supervisor.core.snapshot import Snapshot
+from supervisor.core.statusview import StatusView
 
 logger = logging.getLogger(__name__)
 
@@ -337,11 +337,11 @@ _FINAL_PHASES: Final = frozenset({"succeeded", "failed", "stopped", "quarantined
 
 
 class StatusReporter:
-    """Turns the controller's published snapshots into READY, STATUS and STOPPING.
+    """Turns the read model's published status views into READY, STATUS and STOPPING.
 
     - ``STATUS=`` whenever the line changes (``snap.status_line``, else ``format_status``);
-    - ``READY=1`` once, with the first snapshot after a group launched (it lists
-      workers), so a reader that skips intermediate snapshots still sends it;
+    - ``READY=1`` once, with the first view after a group launched (it lists
+      workers), so a reader that skips intermediate views still sends it;
     - ``STOPPING=1`` once, at ``stopping()`` (call it on a shutdown request) or at the
       first final phase, whichever comes first.
     """
@@ -352,7 +352,7 @@ class StatusReporter:
         self._ready = False
         self._stopping = False
 
-    def publish(self, snap: Snapshot) -> None:
+    def publish(self, snap: StatusView) -> None:
         line = snap.status_line or format_status(snap)
         spare = bool(snap.node_health and snap.node_health.get("spare"))
         if not self._ready and (snap.workers or spare):  # a spare is up: it waits, warm
@@ -377,7 +377,7 @@ class StatusReporter:
             self._last = status
 
 
-def format_status(snap: Snapshot) -> str:
+def format_status(snap: StatusView) -> str:
     """One STATUS line for ``systemctl status``, e.g.
     ``running attempt 2: 8/8 workers, restarts 1/3``."""
     restarts = f"restarts {snap.restart_count}/{snap.max_restarts}"
@@ -411,7 +411,7 @@ def format_status(snap: Snapshot) -> str:
     return one_line(text)
 
 
-def _failure_text(snap: Snapshot) -> str:
+def _failure_text(snap: StatusView) -> str:
     """The current attempt's root cause, to say why a stop or backoff is happening."""
     failure = snap.last_failure
     if failure is None or failure.attempt != snap.attempt:

@@ -1,9 +1,9 @@
-"""The read model: the one builder and publisher of snapshots, and the end-of-run summary.
+"""The read model: the one builder and publisher of status views, and the end-of-run summary.
 
 ``ReadModel`` is an observer of the controller: from each transition (and the rendezvous
-rounds it is told of) it writes the transition's event-log lines, builds the immutable
-``Snapshot`` (``/status``, ``/healthz``, ``/readyz``, systemd's STATUS line, the job-wide
-status in etcd all read it) and publishes it in the ``SnapshotHub``. Anything else that
+round a transition accepted) it writes the transition's event-log lines, builds the
+immutable ``StatusView`` (``/status``, ``/healthz``, ``/readyz``, systemd's STATUS line, the
+job-wide status in etcd all read it) and publishes it in the ``StatusHub``. Anything else that
 changes what a reader sees (goodput progress, an etcd outage) asks it to ``publish``
 again. It never changes supervisor state; the controller never builds a view.
 """
@@ -22,7 +22,7 @@ from supervisor.config import Settings
 from supervisor.core import state as sm
 from supervisor.core.goodput import Ledger
 from supervisor.core.policy import RestartPolicy
-from supervisor.core.snapshot import FailureView, RendezvousView, Snapshot, WorkerView
+from supervisor.core.statusview import FailureView, RendezvousView, StatusView, WorkerView
 from supervisor.events import EventLog
 from supervisor.rendezvous.base import RendezvousResult
 from supervisor.workers.group import Attempt, WorkerFailure, WorkerGroup
@@ -33,16 +33,16 @@ from supervisor.workers.spawn import Worker
 logger = logging.getLogger("supervisor.controller")
 
 
-class SnapshotHub:
-    """Holds the latest published Snapshot; readers wait for changes without polling."""
+class StatusHub:
+    """Holds the latest published ``StatusView``; readers wait for changes without polling."""
 
-    def __init__(self, first: Snapshot) -> None:
+    def __init__(self, first: StatusView) -> None:
         self.current = first
         self.version = 0
         self._changed = anyio.Event()
 
-    def publish(self, snapshot: Snapshot) -> None:
-        self.current = snapshot
+    def publish(self, view: StatusView) -> None:
+        self.current = view
         self.version += 1
         self._changed.set()
         self._changed = anyio.Event()
@@ -120,7 +120,7 @@ class ReadModel:
         self.round: RendezvousResult | None = None
         self.stale_events = 0  # earlier attempts' events dropped so far
         self._started_wall = time.time()
-        self.hub = SnapshotHub(self.snapshot())
+        self.hub = StatusHub(self.status_view())
 
     # ------------------------------------------------------------------ inputs
     def on_transition(
@@ -128,8 +128,7 @@ class ReadModel:
     ) -> None:
         """Write the step's event-log lines and publish the new state."""
         self._record(event)
-        self.state = new
-        self.events.attempt = self.group.shown_attempt(new.attempt)
+        self.state = new  # the event log already labels its lines with new.attempt
         if new.phase is not old.phase:
             logger.info("%s -> %s (%s)", old.phase.value, new.phase.value, type(event).__name__)
             self.events.emit(
@@ -160,7 +159,8 @@ class ReadModel:
         self.publish()  # /status and /metrics show the count
 
     def on_round(self, result: RendezvousResult) -> None:
-        """A rendezvous round completed (members, master: shown in ``/status``)."""
+        """The round a transition just accepted (members, master: shown in ``/status``);
+        called by the controller within that transition, before ``on_transition``."""
         self.round = result
 
     def _peer_lost(self, event: sm.PeerLost, new: sm.State) -> None:
@@ -184,18 +184,18 @@ class ReadModel:
                 reason=event.reason,
             )
 
-    # ------------------------------------------------------------------ snapshots
+    # ------------------------------------------------------------------ the view
     def publish(self) -> None:
-        self.hub.publish(self.snapshot())
+        self.hub.publish(self.status_view())
 
-    def snapshot(self) -> Snapshot:
+    def status_view(self) -> StatusView:
         s = self.state
         attempt = self.group.attempt
         workers: tuple[WorkerView, ...] = ()
         if attempt is not None:
             workers = tuple(_worker_view(w, s.phase) for w in attempt.workers)
         rnd = self.round
-        return Snapshot(
+        return StatusView(
             run_id=self.run_id,
             phase=s.phase.value,
             attempt=self.group.shown_attempt(s.attempt),

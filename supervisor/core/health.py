@@ -1,6 +1,6 @@
-"""Health verdicts and the ``/status`` document, computed from a published snapshot.
+"""Health verdicts and the ``/status`` document, computed from a published view.
 
-Pure code: the caller passes the snapshot, the progress times, the clock reading and the
+Pure code: the caller passes the view, the progress times, the clock reading and the
 measured event-loop lag, so every verdict is reproducible in a unit test. The HTTP
 server (``supervisor.health.server``) turns these into responses.
 
@@ -26,7 +26,7 @@ from typing import Any
 import msgspec
 
 from supervisor.core.goodput import Ledger, Outcome, Recovery, totals
-from supervisor.core.snapshot import FailureView, RendezvousView, Snapshot, WorkerView
+from supervisor.core.statusview import FailureView, RendezvousView, StatusView, WorkerView
 from supervisor.version import __version__
 
 UNKNOWN = "unknown"  # a phase or figure no progress signal let us see
@@ -49,7 +49,7 @@ class Verdict(msgspec.Struct, frozen=True):
 
 
 def liveness(
-    snapshot: Snapshot,
+    view: StatusView,
     progress: Mapping[int, float],
     now_mono: float,
     loop_lag: float,
@@ -59,20 +59,20 @@ def liveness(
     """Whether the supervisor is alive: responsive loop and recent worker progress."""
     if loop_lag > max_loop_lag:
         return Verdict(False, f"event loop lag {loop_lag:.3f} s exceeds {max_loop_lag:.3f} s")
-    stale = stale_ranks(snapshot, progress, now_mono)
+    stale = stale_ranks(view, progress, now_mono)
     if stale:
         rank, age = stale[0]
         more = f" (and {len(stale) - 1} more)" if len(stale) > 1 else ""
         return Verdict(
             False,
             f"local rank {rank} made no progress for {age:.1f} s"
-            f" (timeout {snapshot.progress_timeout:.1f} s){more}",
+            f" (timeout {view.progress_timeout:.1f} s){more}",
         )
-    return Verdict(True, f"alive ({snapshot.phase})")
+    return Verdict(True, f"alive ({view.phase})")
 
 
 def stale_ranks(
-    snapshot: Snapshot, progress: Mapping[int, float], now_mono: float
+    view: StatusView, progress: Mapping[int, float], now_mono: float
 ) -> list[tuple[int, float]]:
     """Running local ranks whose last progress is older than the timeout, oldest first.
 
@@ -80,10 +80,10 @@ def stale_ranks(
     or done, so their last progress is expected to age. Ranks that never posted
     progress are not judged (they may not use deadlines at all).
     """
-    timeout = snapshot.progress_timeout
-    if snapshot.phase != _RUNNING or timeout <= 0:
+    timeout = view.progress_timeout
+    if view.phase != _RUNNING or timeout <= 0:
         return []
-    finished = {w.local_rank for w in snapshot.workers if w.state != _RUNNING}
+    finished = {w.local_rank for w in view.workers if w.state != _RUNNING}
     ages = [
         (rank, now_mono - last)
         for rank, last in progress.items()
@@ -93,7 +93,7 @@ def stale_ranks(
 
 
 def readiness(
-    snapshot: Snapshot,
+    view: StatusView,
     *,
     shown: Collection[int] = frozenset(),
     expected: Collection[int] = frozenset(),
@@ -104,16 +104,16 @@ def readiness(
     ``shown``: local ranks that showed progress in the current attempt; ``expected``:
     ranks that showed progress in an earlier attempt (see ``ProgressTable``).
     """
-    if snapshot.phase != _RUNNING:
-        return Verdict(False, f"not running: {snapshot.phase}")
-    failed = [w.local_rank for w in snapshot.workers if w.state == "failed"]
+    if view.phase != _RUNNING:
+        return Verdict(False, f"not running: {view.phase}")
+    failed = [w.local_rank for w in view.workers if w.state == "failed"]
     if failed:
         return Verdict(False, f"local rank {failed[0]} failed")
-    waiting = awaited_ranks(snapshot, shown, expected, now_mono)
+    waiting = awaited_ranks(view, shown, expected, now_mono)
     if waiting:
         ranks = ", ".join(str(r) for r in waiting)
         return Verdict(False, f"waiting for progress from local rank(s) {ranks}")
-    if snapshot.ready_when == "progress" and not shown and not expected:
+    if view.ready_when == "progress" and not shown and not expected:
         # nothing to wait for can tell when it trains: ready means launched, said so
         return Verdict(True, "running (no rank has shown progress: ready at launch; "
                              "--progress-pattern gives a progress signal)")
@@ -121,27 +121,27 @@ def readiness(
 
 
 def awaited_ranks(
-    snapshot: Snapshot,
+    view: StatusView,
     shown: Collection[int],
     expected: Collection[int],
     now_mono: float | None,
 ) -> list[int]:
     """Running ranks readiness still waits for (empty unless ``ready_when`` is progress)."""
-    if snapshot.ready_when != "progress" or snapshot.phase != _RUNNING:
+    if view.ready_when != "progress" or view.phase != _RUNNING:
         return []
-    launched = snapshot.goodput.launched_at if snapshot.goodput is not None else None
+    launched = view.goodput.launched_at if view.goodput is not None else None
     if (
         launched is not None
         and now_mono is not None
-        and now_mono - launched >= snapshot.progress_timeout
+        and now_mono - launched >= view.progress_timeout
     ):
         return []  # bounded: a rank silent this long is left to liveness
-    running = {w.local_rank for w in snapshot.workers if w.state == _RUNNING}
+    running = {w.local_rank for w in view.workers if w.state == _RUNNING}
     return sorted(r for r in expected if r in running and r not in shown)
 
 
 def ready_and_live(
-    snapshot: Snapshot,
+    view: StatusView,
     progress: Mapping[int, float],
     now_mono: float,
     loop_lag: float,
@@ -151,10 +151,10 @@ def ready_and_live(
     expected: Collection[int] = frozenset(),
 ) -> Verdict:
     """The ``/readyz`` verdict: ready, and not stuck (a stuck group is not ready either)."""
-    ready = readiness(snapshot, shown=shown, expected=expected, now_mono=now_mono)
+    ready = readiness(view, shown=shown, expected=expected, now_mono=now_mono)
     if not ready.ok:
         return ready
-    live = liveness(snapshot, progress, now_mono, loop_lag, max_loop_lag=max_loop_lag)
+    live = liveness(view, progress, now_mono, loop_lag, max_loop_lag=max_loop_lag)
     return live if not live.ok else ready  # a ready body says "running", not "alive"
 
 
@@ -162,7 +162,7 @@ def ready_and_live(
 
 
 def status_document(
-    snapshot: Snapshot,
+    view: StatusView,
     progress: Mapping[int, float],
     now_mono: float,
     *,
@@ -175,43 +175,43 @@ def status_document(
     ``now_wall`` (epoch seconds) gives the uptime; without it ``uptime`` is ``null``.
     ``shown`` and ``expected`` are the readiness inputs (see ``readiness``).
     """
-    rdzv = snapshot.rendezvous
-    uptime = None if now_wall is None else max(0.0, now_wall - snapshot.started_at_wall)
+    rdzv = view.rendezvous
+    uptime = None if now_wall is None else max(0.0, now_wall - view.started_at_wall)
     return {
-        "run_id": snapshot.run_id,
+        "run_id": view.run_id,
         "version": __version__,
-        "role": snapshot.role,
+        "role": view.role,
         "node_rank": rdzv.group_rank,
         "group_world_size": rdzv.group_world_size,
-        "state": snapshot.phase,
-        "status": snapshot.status_line,
-        "attempt": snapshot.attempt,
+        "state": view.phase,
+        "status": view.status_line,
+        "attempt": view.attempt,
         "restarts": {
-            "used": snapshot.restart_count,
-            "max": snapshot.max_restarts,
-            "left": snapshot.restarts_left,
+            "used": view.restart_count,
+            "max": view.max_restarts,
+            "left": view.restarts_left,
         },
-        "world_size": snapshot.world_size,
-        "local_world_size": snapshot.local_world_size,
-        "workers": [_worker_json(w, progress, now_mono) for w in snapshot.workers],
-        "last_failure": _failure_json(snapshot.last_failure),
+        "world_size": view.world_size,
+        "local_world_size": view.local_world_size,
+        "workers": [_worker_json(w, progress, now_mono) for w in view.workers],
+        "last_failure": _failure_json(view.last_failure),
         "rendezvous": _rendezvous_json(rdzv),
         "watchdog": {
-            "enabled": snapshot.watchdog_enabled,
-            "progress_timeout": snapshot.progress_timeout,
+            "enabled": view.watchdog_enabled,
+            "progress_timeout": view.progress_timeout,
         },
         "readiness": {
-            "ready_when": snapshot.ready_when,
-            "awaiting_progress": awaited_ranks(snapshot, shown, expected, now_mono),
+            "ready_when": view.ready_when,
+            "awaiting_progress": awaited_ranks(view, shown, expected, now_mono),
         },
-        "goodput": goodput_json(snapshot.goodput, now_mono, now_wall),
-        "node_health": snapshot.node_health,
-        "snapshots": snapshot.snapshots,
-        "exit_code": snapshot.exit_code,
-        "started_at": snapshot.started_at_wall,
+        "goodput": goodput_json(view.goodput, now_mono, now_wall),
+        "node_health": view.node_health,
+        "snapshots": view.snapshots,
+        "exit_code": view.exit_code,
+        "started_at": view.started_at_wall,
         "uptime": _round(uptime),
-        "snapshot_age": _round(max(0.0, now_mono - snapshot.published_at)),
-        "stale_events": snapshot.stale_events,
+        "snapshot_age": _round(max(0.0, now_mono - view.published_at)),
+        "stale_events": view.stale_events,
     }
 
 

@@ -10,7 +10,7 @@ Two kinds of series:
   (given at construction), loop stalls, event-log and output losses (``watch_*``).
 - **Gauges of current state** (phase, workers up, attempt, restarts, world size, loop
   lag, last progress age per rank). These are derived at scrape time from the published
-  snapshot by ``observe``, so they can never drift from what ``/status`` says.
+  view by ``observe``, so they can never drift from what ``/status`` says.
 
 Each ``Metrics`` has its own ``CollectorRegistry``: several supervisors may live in one
 test process, and the global registry would mix them.
@@ -32,7 +32,7 @@ from prometheus_client.registry import Collector
 from supervisor.core import health
 from supervisor.core import state as sm
 from supervisor.core.goodput import CAUSES, Ledger, totals
-from supervisor.core.snapshot import Snapshot
+from supervisor.core.statusview import StatusView
 from supervisor.watchdog.timers import WatchdogStats
 
 if TYPE_CHECKING:
@@ -184,7 +184,7 @@ class Metrics:
             "http_connections_refused",
             "Health connections closed on arrival: every other one was handling a request.",
         )
-        # counted by the read model (it exists before the metrics): read from the snapshot
+        # counted by the read model (it exists before the metrics): read from the view
         self._stale_events = 0
         self.registry.register(_Pulled(lambda: [_counter_family(
             "stale_events_dropped", "Events of an earlier attempt dropped (a late exit or "
@@ -281,7 +281,7 @@ class Metrics:
                 self.cold_fallbacks.labels(start.cold_reason).inc()
 
     def on_stopped(self, attempt: object) -> None:
-        """Controller ``Observer`` hook; gauges come from the snapshot instead."""
+        """Controller ``Observer`` hook; gauges come from the view instead."""
 
     def _time_rendezvous(self, old: sm.State, new: sm.State, event: sm.Event) -> None:
         if isinstance(event, sm.RendezvousComplete):
@@ -335,7 +335,7 @@ class Metrics:
 
     def _make_heap_metrics(self) -> None:
         """The collector's full collections and the start-up heap frozen out of its reach
-        (``app.freeze_heap``): a full collection holds the event loop while it runs. Both
+        (``serving.freeze_heap``): a full collection holds the event loop while it runs. Both
         are the process's (shared by the supervisors of one process, under the Python API)."""
 
         def read() -> Iterable[Metric]:
@@ -411,28 +411,28 @@ class Metrics:
 
     def observe(
         self,
-        snapshot: Snapshot,
+        view: StatusView,
         progress: Mapping[int, float],
         now_mono: float,
         loop_lag: float,
     ) -> None:
-        """Set the state gauges from the current snapshot (called at scrape time)."""
-        if snapshot.phase in _PHASES:
-            self.state.state(snapshot.phase)
-        self.workers_up.set(sum(1 for w in snapshot.workers if w.state == "running"))
-        self.attempt.set(snapshot.attempt)
-        self.restart_count.set(snapshot.restart_count)
-        self.restarts_left.set(snapshot.restarts_left)
-        self.world_size.set(snapshot.world_size)
-        self.rendezvous_round.set(snapshot.rendezvous.round)
-        self._stale_events = snapshot.stale_events
+        """Set the state gauges from the current view (called at scrape time)."""
+        if view.phase in _PHASES:
+            self.state.state(view.phase)
+        self.workers_up.set(sum(1 for w in view.workers if w.state == "running"))
+        self.attempt.set(view.attempt)
+        self.restart_count.set(view.restart_count)
+        self.restarts_left.set(view.restarts_left)
+        self.world_size.set(view.world_size)
+        self.rendezvous_round.set(view.rendezvous.round)
+        self._stale_events = view.stale_events
         self.loop_lag.set(loop_lag)
         self._observe_progress(progress, now_mono)
-        self.goodput.observe(snapshot.goodput, now_mono)
+        self.goodput.observe(view.goodput, now_mono)
 
     def observe_readiness(
         self,
-        snapshot: Snapshot,
+        view: StatusView,
         progress: Mapping[int, float],
         now_mono: float,
         loop_lag: float,
@@ -443,17 +443,17 @@ class Metrics:
     ) -> None:
         """Set the readiness gauges as ``/readyz`` and ``/healthz`` would judge now."""
         verdict = health.ready_and_live(
-            snapshot, progress, now_mono, loop_lag, shown=shown, expected=expected,
+            view, progress, now_mono, loop_lag, shown=shown, expected=expected,
             max_loop_lag=max_loop_lag,
         )
         self.ready.set(1 if verdict.ok else 0)
-        alive = health.liveness(snapshot, progress, now_mono, loop_lag,
+        alive = health.liveness(view, progress, now_mono, loop_lag,
                                 max_loop_lag=max_loop_lag)
         self.live.set(1 if alive.ok else 0)
-        self.max_restarts.set(snapshot.max_restarts)
-        self.progress_timeout.set(snapshot.progress_timeout)
+        self.max_restarts.set(view.max_restarts)
+        self.progress_timeout.set(view.progress_timeout)
         self.awaiting_progress.set(
-            len(health.awaited_ranks(snapshot, shown, expected, now_mono))
+            len(health.awaited_ranks(view, shown, expected, now_mono))
         )
 
     def _observe_progress(self, progress: Mapping[int, float], now_mono: float) -> None:

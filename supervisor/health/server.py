@@ -2,7 +2,7 @@
 and ``POST /leave-notice``, a peer's hint that it left the round.
 
 One aiohttp application run as one cooperating task on the supervisor's event loop.
-Handlers only read: the current ``Snapshot`` (published by the controller), the
+Handlers only read: the current ``StatusView`` (published by the read model), the
 ``ProgressTable`` and the measured loop lag. They never await anything but a request's
 own body, so a probe is answered in microseconds even while the controller is busy
 stopping a group.
@@ -29,7 +29,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from anyio.abc import TaskStatus
 
 from supervisor.core import health
-from supervisor.core.snapshot import ProgressTable, Snapshot
+from supervisor.core.statusview import ProgressTable, StatusView
 from supervisor.health.connections import ConnectionLedger, cap_connections, pending_on
 from supervisor.health.metrics import Metrics
 
@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 http_logger = logging.getLogger(__name__ + ".http")
 """aiohttp's protocol errors go here (not to ``aiohttp.server``)."""
 
-SnapshotSource = Callable[[], Snapshot]
+ViewSource = Callable[[], StatusView]
 LagSource = Callable[[], float]
 Clock = Callable[[], float]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -81,7 +81,7 @@ class HealthApp:
 
     def __init__(
         self,
-        snapshots: SnapshotSource,
+        views: ViewSource,
         progress: ProgressTable,
         metrics: Metrics,
         lag: LagSource,
@@ -92,7 +92,7 @@ class HealthApp:
         notices: NoticeSink | None = None,
         ledger: ConnectionLedger | None = None,
     ) -> None:
-        self._snapshots = snapshots
+        self._views = views
         self._notices = notices
         self._ledger = ledger if ledger is not None else ConnectionLedger(MAX_CONNECTIONS)
         self._bodies = 0  # leave notices whose bodies are being read
@@ -107,7 +107,7 @@ class HealthApp:
     async def healthz(self, request: web.Request) -> web.Response:
         """Liveness: 200 while not stuck, else 503."""
         verdict = health.liveness(
-            self._snapshots(), self._progress.view(), self._clock(), self._lag(),
+            self._views(), self._progress.view(), self._clock(), self._lag(),
             max_loop_lag=self._max_loop_lag,
         )
         return _verdict_response(verdict)
@@ -115,7 +115,7 @@ class HealthApp:
     async def readyz(self, request: web.Request) -> web.Response:
         """Readiness: 200 while the group runs healthy (and progresses), else 503."""
         verdict = health.ready_and_live(
-            self._snapshots(), self._progress.view(), self._clock(), self._lag(),
+            self._views(), self._progress.view(), self._clock(), self._lag(),
             max_loop_lag=self._max_loop_lag, shown=self._progress.shown(),
             expected=self._progress.expected,
         )
@@ -124,19 +124,19 @@ class HealthApp:
     async def status(self, request: web.Request) -> web.Response:
         """The status document."""
         doc = health.status_document(
-            self._snapshots(), self._progress.view(), self._clock(), now_wall=self._wall(),
+            self._views(), self._progress.view(), self._clock(), now_wall=self._wall(),
             shown=self._progress.shown(), expected=self._progress.expected,
         )
         return _json_response(doc, 200)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text; state gauges are refreshed from the snapshot first."""
-        snapshot, progress, now, lag = (
-            self._snapshots(), self._progress.view(), self._clock(), self._lag()
+        """Prometheus text; state gauges are refreshed from the status view first."""
+        view, progress, now, lag = (
+            self._views(), self._progress.view(), self._clock(), self._lag()
         )
-        self._metrics.observe(snapshot, progress, now, lag)
+        self._metrics.observe(view, progress, now, lag)
         self._metrics.observe_readiness(
-            snapshot, progress, now, lag, shown=self._progress.shown(),
+            view, progress, now, lag, shown=self._progress.shown(),
             expected=self._progress.expected, max_loop_lag=self._max_loop_lag,
         )
         return web.Response(
@@ -209,7 +209,7 @@ class HealthApp:
 
 
 def make_app(
-    snapshots: SnapshotSource,
+    views: ViewSource,
     progress: ProgressTable,
     metrics: Metrics,
     lag: LagSource,
@@ -225,7 +225,7 @@ def make_app(
     ``ledger`` is the one the server's connections are capped with (``cap_connections``):
     a leave notice's connection is marked in it while its body is read."""
     handlers = HealthApp(
-        snapshots, progress, metrics, lag, clock=clock, wall=wall, max_loop_lag=max_loop_lag,
+        views, progress, metrics, lag, clock=clock, wall=wall, max_loop_lag=max_loop_lag,
         notices=notices, ledger=ledger,
     )
     app = web.Application(
@@ -248,7 +248,7 @@ def make_app(
 async def serve_health(
     host: str,
     port: int,
-    snapshots: SnapshotSource,
+    views: ViewSource,
     progress: ProgressTable,
     metrics: Metrics,
     lag: LagSource,
@@ -265,7 +265,7 @@ async def serve_health(
     ``sock``, if given, is an already bound and listening socket to serve instead.
     """
     ledger = ConnectionLedger(MAX_CONNECTIONS, pending_on)
-    app = make_app(snapshots, progress, metrics, lag, max_loop_lag=max_loop_lag,
+    app = make_app(views, progress, metrics, lag, max_loop_lag=max_loop_lag,
                    notices=notices, ledger=ledger)
     runner = web.AppRunner(
         app,

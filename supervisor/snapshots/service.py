@@ -42,7 +42,7 @@ from supervisor.core.slots import (
     slots_at,
     steps_held,
 )
-from supervisor.core.snapshot import ProgressTable
+from supervisor.core.statusview import ProgressTable
 from supervisor.errors import RendezvousError
 from supervisor.rendezvous.etcd.wire.jobstep import PersistMark
 from supervisor.snapshots.channel import (

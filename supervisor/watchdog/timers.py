@@ -37,8 +37,8 @@ from supervisor.core.deadlines import (
     TimerRequest,
     parse_request,
 )
-from supervisor.core.snapshot import ProgressTable
 from supervisor.core.state import DeadlineExpired
+from supervisor.core.statusview import ProgressTable
 from supervisor.pids import pid_exists
 from supervisor.watchdog.escalate import (
     ExpiryOutcome,

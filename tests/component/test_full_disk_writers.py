@@ -11,7 +11,7 @@ from typing import Any
 
 import anyio
 
-from supervisor.core.snapshot import MAX_MESSAGE_CHARS
+from supervisor.core.statusview import MAX_MESSAGE_CHARS
 from supervisor.events import MAX_PENDING, EventLog
 from supervisor.health.metrics import Metrics
 from supervisor.workers.output import LogFile, OutputLoss

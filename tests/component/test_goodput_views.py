@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from supervisor.core import health
 from supervisor.core.goodput import CAUSES, Accountant, Ledger, totals
-from supervisor.core.snapshot import ProgressTable, Snapshot, WorkerView
+from supervisor.core.statusview import ProgressTable, StatusView, WorkerView
 from supervisor.health.metrics import Metrics
 from supervisor.health.server import serve_health
 from supervisor.statuscmd import format_status
@@ -24,12 +24,12 @@ from supervisor.statuscmd import format_status
 def snapshot(
     ready_when: str = "progress", *, phase: str = "running", ledger: Ledger | None = None,
     timeout: float = 60.0,
-) -> Snapshot:
+) -> StatusView:
     workers = tuple(
         WorkerView(local_rank=r, global_rank=r, pid=100 + r, state="running", started_at=1.0)
         for r in (0, 1)
     )
-    return Snapshot(
+    return StatusView(
         run_id="job", phase=phase, attempt=2, restart_count=1, max_restarts=3,
         restarts_left=2, world_size=2, local_world_size=2, role="default",
         published_at=10.0, started_at_wall=time.time(), workers=workers,
@@ -140,7 +140,7 @@ def test_without_a_progress_signal_status_says_unknown_not_zero() -> None:
 
 
 @asynccontextmanager
-async def served(snap: Snapshot, progress: ProgressTable) -> AsyncIterator[str]:
+async def served(snap: StatusView, progress: ProgressTable) -> AsyncIterator[str]:
     async with anyio.create_task_group() as tg:
         _, port = await tg.start(
             serve_health, "127.0.0.1", 0, lambda: snap, progress, Metrics(), lambda: 0.0
@@ -149,7 +149,7 @@ async def served(snap: Snapshot, progress: ProgressTable) -> AsyncIterator[str]:
         tg.cancel_scope.cancel()
 
 
-async def scrape(snap: Snapshot, progress: ProgressTable) -> tuple[
+async def scrape(snap: StatusView, progress: ProgressTable) -> tuple[
         dict[tuple[str, tuple[tuple[str, str], ...]], float], int, str]:
     """``/metrics`` as samples, and ``/readyz``'s status and body."""
     async with served(snap, progress) as base, aiohttp.ClientSession() as http:

@@ -22,13 +22,13 @@ import anyio.abc
 import pytest
 from msgspec.structs import replace
 
-from supervisor.core.snapshot import MAX_MESSAGE_CHARS, FailureView, cap_text
+from supervisor.core.statusview import MAX_MESSAGE_CHARS, FailureView, cap_text
 from supervisor.health.connections import ConnectionLedger
 from supervisor.health.server import MAX_CONNECTIONS, load_openapi
 from supervisor.workers.attemptdir import MAX_SKIPPED, create_attempt_dir
 from supervisor.workers.errorfile import read_error_file
 from tests.support.daemon import supervisor
-from tests.support.health import Harness, make_snapshot, running_server
+from tests.support.health import Harness, make_status_view, running_server
 from tests.support.paths import FAKE_WORKER, WORKERS
 from tests.support.tmpfs import small_tmpfs
 
@@ -281,7 +281,7 @@ async def test_status_with_a_huge_failure_message_stays_small() -> None:
         signal=None, message=huge, description=f"local rank 0 exited with code 1: {huge}",
         at_wall=time.time(),
     )
-    h = Harness(snapshot=replace(make_snapshot("failed"), last_failure=failure))
+    h = Harness(snapshot=replace(make_status_view("failed"), last_failure=failure))
     with anyio.fail_after(10):
         async with running_server(h) as (client, _), client.get("/status") as resp:
             body = await resp.read()

@@ -23,7 +23,7 @@ from supervisor.core.policy import RestartPolicy
 from supervisor.health.looplag import LoopLag
 from supervisor.health.metrics import Metrics
 from supervisor.health.server import MAX_CONNECTIONS, load_openapi, serve_health
-from tests.support.health import Harness, make_snapshot, running_server
+from tests.support.health import Harness, make_status_view, running_server
 from tests.support.metrics import Samples, metric_samples
 
 PATHS = ["/healthz", "/readyz", "/status", "/metrics", "/openapi.json"]
@@ -68,7 +68,7 @@ async def test_port_is_released_after_cancellation() -> None:
 
 
 async def test_readyz_follows_the_phase() -> None:
-    h = Harness(snapshot=make_snapshot("starting"))
+    h = Harness(snapshot=make_status_view("starting"))
     with anyio.fail_after(10):
         async with running_server(h) as (client, _):
             seen = []
@@ -85,7 +85,7 @@ async def test_readyz_follows_the_phase() -> None:
 
 
 async def test_readyz_reason_names_the_phase() -> None:
-    h = Harness(snapshot=make_snapshot("backoff"))
+    h = Harness(snapshot=make_status_view("backoff"))
     with anyio.fail_after(10):
         async with running_server(h) as (client, _):
             assert await get_json(client, "/readyz") == (
@@ -110,7 +110,7 @@ async def test_healthz_fails_on_stale_progress_and_recovers_after_reset() -> Non
 
 @pytest.mark.parametrize("phase", ["rendezvous", "exit_barrier", "backoff"])
 async def test_healthz_stays_ok_while_waiting(phase: str) -> None:
-    h = Harness(snapshot=make_snapshot(phase))
+    h = Harness(snapshot=make_status_view(phase))
     h.progress.touch(0, time.monotonic() - 1000.0)
     with anyio.fail_after(10):
         async with running_server(h) as (client, _):
@@ -368,7 +368,7 @@ def test_observer_counts_a_crash_by_signal() -> None:
 
 def test_metrics_ignore_unknown_phase() -> None:
     m = Metrics()
-    snap = replace(make_snapshot(), phase="weird")
+    snap = replace(make_status_view(), phase="weird")
     m.observe(snap, {}, time.monotonic(), 0.0)  # must not raise
     assert b"elastic_supervisor_workers_up 2.0" in m.render()
 
@@ -496,7 +496,7 @@ async def test_openapi_document_is_served() -> None:
 async def test_responses_match_openapi_schemas(phase: str) -> None:
     validators = pytest.importorskip("openapi_schema_validator")
     doc = openapi_document()
-    h = Harness(snapshot=make_snapshot(phase))
+    h = Harness(snapshot=make_status_view(phase))
     h.progress.touch(0, time.monotonic())
     with anyio.fail_after(10):
         async with running_server(h) as (client, _):

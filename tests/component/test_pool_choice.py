@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from supervisor.app import make_pool
 from supervisor.config import Settings
-from supervisor.core.snapshot import ProgressTable
+from supervisor.core.statusview import ProgressTable
 from supervisor.rendezvous.registry import make_rendezvous
+from supervisor.wiring import make_pool
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.spawn import DeathSignal
 from supervisor.workers.warm.base import NullPool

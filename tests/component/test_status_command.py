@@ -12,11 +12,11 @@ import anyio
 import pytest
 from aiohttp import web
 
-from supervisor.core.snapshot import (
+from supervisor.core.statusview import (
     FailureView,
     ProgressTable,
     RendezvousView,
-    Snapshot,
+    StatusView,
     WorkerView,
 )
 from supervisor.health.metrics import Metrics
@@ -31,7 +31,7 @@ from supervisor.statuscmd import (
 )
 
 
-def make_snapshot() -> Snapshot:
+def make_status_view() -> StatusView:
     workers = (
         WorkerView(local_rank=0, global_rank=0, pid=4242, state="running", started_at=1.0),
         WorkerView(local_rank=1, global_rank=1, pid=None, state="failed", started_at=1.0,
@@ -42,7 +42,7 @@ def make_snapshot() -> Snapshot:
         signal=None, message="", description="local rank 1 (pid 4243) exited with code 3",
         at_wall=time.time(),
     )
-    return Snapshot(
+    return StatusView(
         run_id="job-status", phase="stopping", attempt=1, restart_count=0, max_restarts=2,
         restarts_left=2, world_size=2, local_world_size=2, role="trainer",
         published_at=time.monotonic(), started_at_wall=time.time() - 3725.0,
@@ -53,7 +53,7 @@ def make_snapshot() -> Snapshot:
 
 @asynccontextmanager
 async def health_server() -> AsyncIterator[str]:
-    snapshot = make_snapshot()
+    snapshot = make_status_view()
     progress = ProgressTable()
     progress.touch(0, time.monotonic() - 2.0)
     async with anyio.create_task_group() as tg:

@@ -43,7 +43,7 @@ import msgspec
 import pytest
 
 from supervisor import config, logsetup
-from supervisor.core.snapshot import FailureView, Snapshot, WorkerView
+from supervisor.core.statusview import FailureView, StatusView, WorkerView
 from supervisor.systemd import (
     LagProbe,
     Notifier,
@@ -491,7 +491,7 @@ async def test_extending_timeout_without_systemd_just_runs_the_body(
 # ========================================================================= STATUS lines
 
 
-def snapshot(phase: str, **changes: object) -> Snapshot:
+def snapshot(phase: str, **changes: object) -> StatusView:
     fields: dict[str, object] = {
         "run_id": "job",
         "phase": phase,
@@ -510,7 +510,7 @@ def snapshot(phase: str, **changes: object) -> Snapshot:
         ),
     }
     fields.update(changes)
-    return Snapshot(**fields)  # type: ignore[arg-type]
+    return StatusView(**fields)  # type: ignore[arg-type]
 
 
 def failure(attempt: int) -> FailureView:
@@ -549,7 +549,7 @@ def failure(attempt: int) -> FailureView:
         (snapshot("stopped", exit_code=143), "stopped, exit code 143"),
     ],
 )
-def test_format_status(snap: Snapshot, line: str) -> None:
+def test_format_status(snap: StatusView, line: str) -> None:
     assert format_status(snap) == line
 
 

@@ -25,14 +25,15 @@ from pathlib import Path
 import anyio
 import pytest
 
-from supervisor.app import make_rendezvous, resolve_run_id
 from supervisor.cli import parse_run_args
 from supervisor.config import ConfigError
 from supervisor.rendezvous.c10d.backend import C10dRendezvous
 from supervisor.rendezvous.c10d.config import DEFAULT_PORT, make_c10d_config, parse_endpoint
 from supervisor.rendezvous.c10d.host import matches_this_machine
 from supervisor.rendezvous.etcd.config import RendezvousConfigError, make_config
+from supervisor.rendezvous.registry import make_rendezvous
 from supervisor.rendezvous.static import StaticRendezvous
+from supervisor.startup import resolve_run_id
 from tests.support.daemon import supervisor
 from tests.support.etcd import etcd_binary
 from tests.support.nodes import LOCAL, SHOWN, Env, Node, assert_one_group, stop_all

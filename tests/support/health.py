@@ -12,17 +12,17 @@ import aiohttp
 import anyio
 from msgspec.structs import replace
 
-from supervisor.core.snapshot import ProgressTable, RendezvousView, Snapshot, WorkerView
+from supervisor.core.statusview import ProgressTable, RendezvousView, StatusView, WorkerView
 from supervisor.health.metrics import Metrics
 from supervisor.health.server import NoticeSink, serve_health
 
 
-def make_snapshot(phase: str = "running") -> Snapshot:
+def make_status_view(phase: str = "running") -> StatusView:
     workers = tuple(
         WorkerView(local_rank=i, global_rank=i, pid=4000 + i, state="running", started_at=1.0)
         for i in range(2)
     )
-    return Snapshot(
+    return StatusView(
         run_id="job-7", phase=phase, attempt=1, restart_count=0, max_restarts=3,
         restarts_left=3, world_size=2, local_world_size=2, role="default",
         published_at=time.monotonic(), started_at_wall=time.time(), workers=workers,
@@ -35,13 +35,13 @@ def make_snapshot(phase: str = "running") -> Snapshot:
 class Harness:
     """What a test controls: the published snapshot, progress, metrics and loop lag."""
 
-    snapshot: Snapshot = field(default_factory=make_snapshot)
+    snapshot: StatusView = field(default_factory=make_status_view)
     progress: ProgressTable = field(default_factory=ProgressTable)
     metrics: Metrics = field(default_factory=Metrics)
     lag: float = 0.0
     broken: bool = False  # makes the snapshot source raise, like a bug in a reader
 
-    def current(self) -> Snapshot:
+    def current(self) -> StatusView:
         if self.broken:
             raise RuntimeError("bug in a reader")
         return self.snapshot

@@ -18,8 +18,8 @@ import anyio.abc
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from supervisor.core.deadlines import TimerRequest, encode_request
-from supervisor.core.snapshot import ProgressTable
 from supervisor.core.state import DeadlineExpired
+from supervisor.core.statusview import ProgressTable
 from supervisor.watchdog.timers import Watchdog, WatchdogConfig
 
 WAIT = 15.0  # bound on any single wait of a watchdog test

@@ -16,7 +16,7 @@ import pytest
 from supervisor.accounting import GoodputRecorder
 from supervisor.core import state as sm
 from supervisor.core.policy import RestartPolicy
-from supervisor.core.snapshot import ProgressTable
+from supervisor.core.statusview import ProgressTable
 from supervisor.events import EventLog
 
 

@@ -9,7 +9,7 @@ from supervisor.core import state as sm
 from supervisor.core.goodput import Outcome
 from supervisor.core.peers import LostPeer, PeerAnswer, Seen, judge
 from supervisor.core.policy import RestartPolicy
-from supervisor.core.snapshot import ProgressTable
+from supervisor.core.statusview import ProgressTable
 from supervisor.events import EventLog
 
 POLICY = RestartPolicy(max_restarts=3, peer_loss_limit=2, peer_loss_window=100.0)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from supervisor.core.health import liveness, ready_and_live
-from supervisor.core.snapshot import RendezvousView, Snapshot, WorkerView
+from supervisor.core.statusview import RendezvousView, StatusView, WorkerView
 
 NOW = 1000.0
 
 
-def running() -> Snapshot:
-    return Snapshot(
+def running() -> StatusView:
+    return StatusView(
         run_id="job", phase="running", attempt=0, restart_count=0, max_restarts=0,
         restarts_left=0, world_size=1, local_world_size=1, role="default",
         published_at=NOW, started_at_wall=0.0,

@@ -241,7 +241,7 @@ def test_forgetting_drops_every_complete_snapshot_and_the_restore() -> None:
 
 
 def test_a_save_is_progress_for_readiness_and_goodput_but_not_liveness() -> None:
-    from supervisor.core.snapshot import ProgressTable
+    from supervisor.core.statusview import ProgressTable
 
     table = ProgressTable()
     heard: list[tuple[int, int, float]] = []

@@ -26,7 +26,7 @@ import msgspec
 
 from supervisor.core.goodput import Ledger, totals
 from supervisor.core.nodehealth import NodeRecord, record_text
-from supervisor.core.snapshot import Snapshot
+from supervisor.core.statusview import StatusView
 from supervisor.rendezvous.base import JobStatusStore
 from supervisor.rendezvous.etcd.wire.client import EtcdClient, EtcdError, hedge_delay
 from supervisor.rendezvous.etcd.wire.decode import Summary, decode, printable
@@ -45,7 +45,7 @@ def summary_prefix(run_id: str) -> str:
 
 
 def node_summary(
-    snapshot: Snapshot, *, node_id: str, host: str, health_url: str | None,
+    snapshot: StatusView, *, node_id: str, host: str, health_url: str | None,
     mono_to_wall: float,
 ) -> dict[str, Any]:
     """The summary of one node: nothing in it changes unless the node's state does."""
@@ -222,17 +222,17 @@ def mono_to_wall_offset() -> float:
     return time.time() - time.monotonic()
 
 
-class Snapshots(Protocol):
-    """Where the controller publishes its snapshots (``controller.SnapshotHub``)."""
+class StatusViews(Protocol):
+    """Where the read model publishes its status views (``views.StatusHub``)."""
 
-    current: Snapshot
+    current: StatusView
     version: int
 
     async def wait_changed(self, seen: int) -> int: ...
 
 
 async def publish_summaries(
-    rendezvous: JobStatusStore, hub: Snapshots, health_url: Callable[[], str | None],
+    rendezvous: JobStatusStore, hub: StatusViews, health_url: Callable[[], str | None],
     *, host: str | None = None,
 ) -> None:
     """Run this node's publisher until cancelled (its own client; same TLS and auth)."""

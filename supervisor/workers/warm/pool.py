@@ -28,7 +28,7 @@ from anyio.abc import TaskGroup
 from supervisor.config import Settings
 from supervisor.core import warm
 from supervisor.core.envs import PER_RANK_ENV, fork_server_env, interpreter
-from supervisor.core.snapshot import ProgressTable
+from supervisor.core.statusview import ProgressTable
 from supervisor.workers.guardian import Guardian
 from supervisor.workers.spawn import SPAWNER, DeathSignal, Spawner, Start, Worker, WorkerSpec
 from supervisor.workers.warm import autopreload

@@ -1,9 +1,12 @@
-"""Immutable views the controller publishes for readers (HTTP, systemd notify, CLI).
+"""The supervisor's status as readers see it (HTTP, systemd notify, the ``status`` CLI).
 
-Readers never touch live state: after each transition the controller builds a new
-``Snapshot`` and swaps it in. Progress times are the one exception, kept in a
-``ProgressTable`` that only the watchdog writes (every accepted deadline request is
-progress) and readers only read, so a busy FIFO does not republish snapshots.
+Readers never touch live state: the read model (``supervisor.views.ReadModel``) builds a
+new immutable ``StatusView`` after each transition (and when goodput, healing or the etcd
+connection change what is shown) and swaps it in. Progress times are the one exception,
+kept in a ``ProgressTable`` that only the watchdog, the output pumps and the snapshot
+channel write and readers only read, so a busy FIFO does not republish the view.
+
+(Not to be confused with ``supervisor.snapshots``: copies of the workers' training state.)
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import msgspec.structs
 from supervisor.core.goodput import Ledger
 
 MAX_MESSAGE_CHARS = 4096
-"""The longest failure ``message`` and ``description`` a snapshot keeps, in characters.
+"""The longest failure ``message`` and ``description`` a status view keeps, in characters.
 
 A worker's error file may hold a message of up to 1 MiB, and ``description`` repeats it:
 uncapped, ``/status`` answered 2 MB to every prober. The full text stays in the error
@@ -80,7 +83,7 @@ class RendezvousView(msgspec.Struct, frozen=True):
     etcd: dict[str, Any] | None = None  # reachability and outages, for the etcd backends
 
 
-class Snapshot(msgspec.Struct, frozen=True):
+class StatusView(msgspec.Struct, frozen=True):
     """What the supervisor looks like right now, as of ``published_at`` (monotonic)."""
 
     run_id: str
