@@ -90,10 +90,13 @@ class Usage:
         targets = []
         for fd in fd_dir.iterdir():
             with contextlib.suppress(OSError):
-                targets.append(_kind(os.readlink(fd)))
+                targets.append(_kind(os.readlink(fd), pid, fd.name))
         proc = psutil.Process(pid)
         return cls(
-            fds=len(targets),
+            # a pidfd on a live process is the supervisor's hold on its current workers (the
+            # group, its stopper, the watchdog's checks: bounded by the group); one on an
+            # exited process, or any other fd more, would be a leak
+            fds=len([t for t in targets if not _pins_a_live_process(t)]),
             threads=len(os.listdir(f"/proc/{pid}/task")),
             rss_mb=proc.memory_info().rss / 1e6,
             children=len(proc.children()),
@@ -101,13 +104,32 @@ class Usage:
         )
 
 
-def _kind(target: str) -> str:
-    """An fd's target without what changes per attempt (pipe inodes, attempt numbers)."""
-    if target.startswith("anon_inode:"):  # its [...] names a kind (pidfd, eventpoll)
+def _kind(target: str, pid: int, fd: str) -> str:
+    """An fd's target without what changes per attempt (pipe inodes, attempt numbers); a
+    pidfd says which process it pins (its command, and whether it is our child)."""
+    if target == "anon_inode:[pidfd]":
+        return f"{target} {_pinned(pid, fd)}"
+    if target.startswith("anon_inode:"):  # its [...] names a kind (eventpoll, ...)
         return target
     if target.startswith(("pipe:", "socket:")):
         return target.split(":")[0] + ":" + target.split(":")[1][:1]
     return "file:" + ("/".join(p for p in target.split("/") if not p.startswith("attempt_")))
+
+
+def _pins_a_live_process(kind: str) -> bool:
+    return kind.startswith("anon_inode:[pidfd] ") and not kind.endswith((" exited", " unknown"))
+
+
+def _pinned(pid: int, fd: str) -> str:
+    """What the pidfd ``fd`` of ``pid`` refers to: 'name (child|other|exited)'."""
+    with contextlib.suppress(OSError, ValueError, psutil.Error):
+        with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+            target = next(int(line.split()[1]) for line in f if line.startswith("Pid:"))
+        if target <= 0:
+            return "exited"
+        proc = psutil.Process(target)
+        return f"{proc.name()} ({'child' if proc.ppid() == pid else 'other'})"
+    return "unknown"
 
 
 @dataclass
@@ -299,7 +321,8 @@ def _short(u: Usage) -> str:
 def render(r: Result) -> str:
     b, a = r.before, r.after
     rows = [
-        ("open fds", f"{b['fds']}", f"{a['fds']}", f"{a['fds'] - b['fds']:+d}", "unchanged"),
+        ("open fds (pidfds on live processes aside)", f"{b['fds']}", f"{a['fds']}",
+         f"{a['fds'] - b['fds']:+d}", "unchanged"),
         ("threads", f"{b['threads']}", f"{a['threads']}", f"{a['threads'] - b['threads']:+d}",
          "unchanged"),
         ("RSS", f"{b['rss_mb']:.1f} MB", f"{a['rss_mb']:.1f} MB",
