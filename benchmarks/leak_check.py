@@ -93,9 +93,9 @@ class Usage:
                 targets.append(_kind(os.readlink(fd), pid, fd.name))
         proc = psutil.Process(pid)
         return cls(
-            # a pidfd on a live process is the supervisor's hold on its current workers (the
-            # group, its stopper, the watchdog's checks: bounded by the group); one on an
-            # exited process, or any other fd more, would be a leak
+            # a pidfd on a live process is a hold on one of the current group (how many
+            # varies as a checkpoint falls: 7 or 8 on 4 workers); one on an exited
+            # process, or any other fd more, would be a leak
             fds=len([t for t in targets if not _pins_a_live_process(t)]),
             threads=len(os.listdir(f"/proc/{pid}/task")),
             rss_mb=proc.memory_info().rss / 1e6,
