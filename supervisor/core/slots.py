@@ -228,17 +228,21 @@ class SlotTable:
             self.readers.pop(where, None)
 
     # ------------------------------------------------------------------ restarts
-    def decide(self, world_size: int) -> Restore | None:
-        """At the launch of an attempt (the last one's workers are all stopped): the step
-        it restores. Saves left unfinished are dropped, then every snapshot newer than
-        that step (or all, when there is none): the attempt's saves start a new timeline
-        that must never be mixed with the old one's steps."""
+    def _new_attempt(self, world_size: int) -> None:
+        """Drop the saves left unfinished; the new attempt's world size, no floors yet."""
         for slots in self.slots.values():
             for slot in slots:
                 if slot.state is SlotState.WRITING:
                     self._put(replace(slot, state=SlotState.FREE, step=None))
         self.world_size = world_size
         self.floor = {}
+
+    def decide(self, world_size: int) -> Restore | None:
+        """At the launch of an attempt (the last one's workers are all stopped): the step
+        it restores. Saves left unfinished are dropped, then every snapshot newer than
+        that step (or all, when there is none): the attempt's saves start a new timeline
+        that must never be mixed with the old one's steps."""
+        self._new_attempt(world_size)
         newest = max((s.step for s in self.complete() if s.step is not None), default=None)
         restore = choose(self.complete(), world_size)
         self.restore = None if restore is None else replace(restore, newest=newest)
@@ -256,12 +260,7 @@ class SlotTable:
         must read from ``--snapshot-dir`` (``REPLICATED``, or ranks it does not hold).
         As ``decide``, unfinished saves and snapshots newer than the step are dropped;
         so are those of ranks this node no longer runs (nothing would ever read them)."""
-        for slots in self.slots.values():
-            for slot in slots:
-                if slot.state is SlotState.WRITING:
-                    self._put(replace(slot, state=SlotState.FREE, step=None))
-        self.world_size = world_size
-        self.floor = {}
+        self._new_attempt(world_size)
         if step is None:
             self.forget()
             return None, []
