@@ -3,7 +3,7 @@ real TCP: a round makes each keep the other's newest step; a round of one sends 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from supervisor.snapshots.memory import Regions
 from supervisor.snapshots.replicate.auth import Auth
 from supervisor.snapshots.replicate.copies import BuddyCopies
 from tests.support.snapshotbytes import save_step
+from tests.support.waiting import until
 
 AUTH = Auth(secret=b"the job's secret, 32 bytes long!")
 WORLD = 4
@@ -46,12 +47,6 @@ def save(copies: BuddyCopies, name: str, step: int) -> None:
     for rank in sorted(RANKS[name]):
         save_step(copies.sender.table, copies.receiver.regions, rank, step)
     copies.wake()
-
-
-async def until(check: Callable[[], object], timeout: float = 10.0) -> None:
-    with anyio.fail_after(timeout):
-        while not check():
-            await anyio.sleep(0.01)
 
 
 async def test_a_round_of_two_makes_each_keep_the_others_step(tmp_path: Path) -> None:

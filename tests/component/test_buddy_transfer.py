@@ -9,7 +9,7 @@ import socket
 import ssl
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +43,7 @@ from tests.support.paths import WORKERS
 from tests.support.ports import free_port
 from tests.support.snapshotbytes import save_step
 from tests.support.tmpfs import small_tmpfs
+from tests.support.waiting import until
 
 SECRET = b"the job's secret, 32 bytes long!"
 WORLD = 4
@@ -103,13 +104,6 @@ def kept_bytes(receiver: BuddyReceiver, node: str, rank: int) -> bytes:
 
 def region_files(receiver: BuddyReceiver) -> set[str]:
     return set(os.listdir(receiver.regions.directory))
-
-
-async def until(check: Callable[[], object], timeout: float = 10.0) -> None:
-    """Wait for ``check()`` (state another thread changes), bounded."""
-    with anyio.fail_after(timeout):
-        while not check():
-            await anyio.sleep(0.01)
 
 
 def aim(node: Node, receiver: BuddyReceiver) -> None:
